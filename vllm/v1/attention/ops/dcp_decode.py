@@ -1,0 +1,345 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode context parallelism (DCP) math for multi-token MLA decode.
+
+Pure torch: this module must not import vllm, so that it runs on machines where
+vLLM cannot be installed (the GPU benchmark host) as well as inside vLLM.
+
+Layout (vLLM's, bit-exact): with W = DCP world size and I = interleave size,
+global token position ``p`` lives on rank ``(p // I) % W`` at local index
+``(p // (W * I)) * I + p % I``.
+
+Shapes use these names:
+  R  requests, N  flattened rows (one per query token), B  max blocks per
+  request, H  heads, D  latent width (kv_lora_rank + rope dim), Dv  kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = [
+    "FlatDecode",
+    "alloc_flat_decode",
+    "build_flat_decode",
+    "dcp_local_seq_lens",
+    "dcp_slot_owner",
+    "merge_partials",
+    "mla_decode_reference",
+    "shard_paged_kv",
+]
+
+
+def dcp_local_seq_lens(
+    global_lens: torch.Tensor,
+    world_size: int,
+    rank: int | torch.Tensor,
+    interleave: int,
+) -> torch.Tensor:
+    """KV tokens of each sequence that rank ``rank`` holds.
+
+    ``local(L, r) = (L // (W*I)) * I + clamp(L % (W*I) - r*I, 0, I)``.
+
+    Args:
+        global_lens: int tensor [...], global sequence lengths (tokens).
+        world_size: W, the DCP world size.
+        rank: this rank, or an int tensor broadcastable against ``global_lens``
+            (e.g. ``arange(W)[:, None]`` for every rank at once).
+        interleave: I, tokens stored contiguously on one rank.
+
+    Returns:
+        Tensor of ``global_lens``' dtype (broadcast shape): local lengths.
+    """
+    span = world_size * interleave
+    remainder = global_lens % span - rank * interleave
+    local = (global_lens // span) * interleave + remainder.clamp(0, interleave)
+    return local.to(global_lens.dtype)
+
+
+def dcp_slot_owner(
+    positions: torch.Tensor, world_size: int, interleave: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Owner rank and local index of global token positions.
+
+    Returns:
+        ``(owner_rank, local_index)``, both of ``positions``' shape and dtype.
+    """
+    span = world_size * interleave
+    owner = (positions // interleave) % world_size
+    local_index = (positions // span) * interleave + positions % interleave
+    return owner, local_index
+
+
+@dataclass
+class FlatDecode:
+    """Per-rank decode metadata, one row per query token.
+
+    Attributes:
+        seq_lens: int32 [N], local KV tokens row ``n`` may attend to on this rank.
+        query_start_loc: int32 [N + 1], ``arange(N + 1)`` (one query token per row).
+        block_table: int32 [N, B], the row's request's (local) block table.
+        row_to_req: int32 [N], request index of each row.
+        global_seq_lens: int32 [N], global causal bound ``g_t`` of the row
+            (the number of global tokens it may see); 0 on padded rows.
+        empty: bool [N], True where this rank holds no KV for the row (its
+            partial output is undefined and must not enter the combine).
+    """
+
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_table: torch.Tensor
+    row_to_req: torch.Tensor
+    global_seq_lens: torch.Tensor
+    empty: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def slice(self, num_rows: int) -> "FlatDecode":
+        """Views of the first ``num_rows`` rows (``num_rows + 1`` start locs)."""
+        return FlatDecode(
+            seq_lens=self.seq_lens[:num_rows],
+            query_start_loc=self.query_start_loc[: num_rows + 1],
+            block_table=self.block_table[:num_rows],
+            row_to_req=self.row_to_req[:num_rows],
+            global_seq_lens=self.global_seq_lens[:num_rows],
+            empty=self.empty[:num_rows],
+        )
+
+
+def alloc_flat_decode(
+    max_rows: int, max_blocks: int, device: torch.device | str = "cpu"
+) -> FlatDecode:
+    """Persistent buffers for ``build_flat_decode(..., out=...)``.
+
+    Size them for the largest CUDA graph (max decode tokens) so that a captured
+    graph replays the build into the same memory.
+    """
+    i32 = dict(dtype=torch.int32, device=device)
+    return FlatDecode(
+        seq_lens=torch.zeros(max_rows, **i32),
+        query_start_loc=torch.zeros(max_rows + 1, **i32),
+        block_table=torch.zeros(max_rows, max_blocks, **i32),
+        row_to_req=torch.zeros(max_rows, **i32),
+        global_seq_lens=torch.zeros(max_rows, **i32),
+        empty=torch.ones(max_rows, dtype=torch.bool, device=device),
+    )
+
+
+def build_flat_decode(
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    world_size: int,
+    rank: int,
+    interleave: int,
+    causal: bool,
+    num_rows: int | None = None,
+    out: FlatDecode | None = None,
+) -> FlatDecode:
+    """Flatten a multi-token decode batch into one row per query token.
+
+    Request ``i`` with global length ``L`` (its ``n`` new tokens included) and
+    query token ``t`` in ``0..n-1`` may see ``g_t = L - n + 1 + t`` global
+    tokens when ``causal`` (speculative verify) and ``g_t = L`` otherwise
+    (a DSpark draft block sees the whole block). On this rank that is
+    ``dcp_local_seq_lens(g_t)`` local tokens.
+
+    Vectorised and free of host syncs when ``num_rows`` is given, so it can be
+    captured in a CUDA graph together with ``out``.
+
+    Args:
+        seq_lens: int32 [R], global sequence lengths (tokens, query included).
+        query_start_loc: int32 [R + 1], cumulative query lengths. Requests of
+            query length 0 (padding) produce no rows.
+        block_table: int32 [R, B], each request's block table (local blocks).
+        world_size, rank, interleave: the DCP layout (W, r, I).
+        causal: causal verify (True) or non-causal draft block (False).
+        num_rows: N, rows to produce. Rows at or beyond ``query_start_loc[-1]``
+            are padding: ``empty`` with seq len 0. Defaults to
+            ``query_start_loc[-1]`` (one host sync).
+        out: buffers from ``alloc_flat_decode`` with at least ``N`` rows and
+            ``B`` columns; the result is a view of them.
+
+    Returns:
+        FlatDecode with N rows.
+    """
+    if num_rows is None:
+        num_rows = int(query_start_loc[-1])
+    device = seq_lens.device
+    num_reqs = seq_lens.shape[0]
+
+    rows = torch.arange(num_rows, dtype=torch.int32, device=device)
+    # Zero-length requests are skipped: right-searchsorted over the end offsets
+    # lands on the first request whose end lies past the row.
+    req = torch.searchsorted(query_start_loc[1:], rows, right=True, out_int32=True)
+    is_real = req < num_reqs
+    req = req.clamp_(max=max(num_reqs - 1, 0))
+
+    req_start = query_start_loc[req]
+    query_len = query_start_loc[req + 1] - req_start
+    req_len = seq_lens[req]
+    if causal:
+        bound = req_len - query_len + 1 + (rows - req_start)
+    else:
+        bound = req_len
+    bound = torch.where(is_real, bound, 0).to(torch.int32)
+    local = dcp_local_seq_lens(bound, world_size, rank, interleave)
+
+    if out is None:
+        out = alloc_flat_decode(num_rows, block_table.shape[1], device)
+    flat = out.slice(num_rows)
+    flat.row_to_req.copy_(req)
+    flat.global_seq_lens.copy_(bound)
+    flat.seq_lens.copy_(local)
+    torch.eq(local, 0, out=flat.empty)
+    torch.arange(num_rows + 1, dtype=torch.int32, device=device,
+                 out=flat.query_start_loc)
+    if num_reqs > 0:
+        torch.index_select(block_table, 0, req, out=flat.block_table[:, : block_table.shape[1]])
+    else:
+        flat.block_table.zero_()
+    return flat
+
+
+def merge_partials(
+    outs: torch.Tensor, lses: torch.Tensor, *, lse_base_e: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE-weighted merge of the W ranks' partial attention outputs.
+
+    Args:
+        outs: [W, N, H, Dv] partial outputs, any float dtype.
+        lses: [W, N, H] partial log-sum-exps, natural log if ``lse_base_e``
+            else base 2. -inf, +inf and NaN mark a partial that contributes
+            nothing (an empty shard).
+        lse_base_e: the base of ``lses``; the returned LSE has the same base.
+
+    Returns:
+        ``(out [N, H, Dv] of outs' dtype, lse [N, H] float32)``. Rows whose
+        partials are all empty get ``out = 0`` and ``lse = -inf``.
+    """
+    lse = lses.float()
+    if not lse_base_e:
+        lse = lse * torch.log(torch.tensor(2.0))
+    lse = torch.where(torch.isfinite(lse), lse, float("-inf"))
+    lse_max = lse.amax(dim=0)
+    lse_max = torch.where(torch.isfinite(lse_max), lse_max, 0.0)
+    weight = torch.exp(lse - lse_max)  # [W, N, H], 0 for empty partials
+    total = weight.sum(dim=0)
+    merged_lse = lse_max + torch.log(total)  # -inf where every partial is empty
+    scale = weight / torch.where(total > 0, total, 1.0)
+    partial = torch.where(scale[..., None] > 0, outs.float(), 0.0)
+    merged = (scale[..., None] * partial).sum(dim=0).to(outs.dtype)
+    if not lse_base_e:
+        merged_lse = merged_lse / torch.log(torch.tensor(2.0))
+    return merged, merged_lse
+
+
+def mla_decode_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-MLA decode in plain torch, one query token per row.
+
+    Row ``n`` attends to the first ``seq_lens[n]`` tokens of its paged latent
+    cache; the value is the first ``kv_lora_rank`` columns of the latent.
+
+    Args:
+        q: [N, H, D] queries (latent ``q_nope @ W_UK`` then rope part).
+        kv_cache: [num_blocks, block_size, D] latent cache.
+        block_table: int [N, B] block ids of each row.
+        seq_lens: int [N] tokens each row may see (0 allowed).
+        kv_lora_rank: Dv, the value width.
+        scale: softmax scale applied to ``q . k``.
+
+    Returns:
+        ``(out [N, H, Dv] in q's dtype, lse [N, H] float32 natural log)``;
+        rows with ``seq_lens == 0`` give out 0 and lse -inf.
+    """
+    num_rows, num_heads, _ = q.shape
+    block_size = kv_cache.shape[1]
+    max_len = int(seq_lens.max()) if num_rows else 0
+    out = q.new_zeros(num_rows, num_heads, kv_lora_rank)
+    lse = torch.full((num_rows, num_heads), float("-inf"), device=q.device)
+    if max_len == 0:
+        return out, lse
+    pos = torch.arange(max_len, device=q.device)
+    blocks = block_table[:, pos // block_size].long()  # [N, T]
+    kv = kv_cache[blocks, pos % block_size].float()  # [N, T, D]
+    visible = pos[None, :] < seq_lens[:, None]  # [N, T]
+    kv = torch.where(visible[..., None], kv, 0.0)
+    scores = torch.einsum("nhd,ntd->nht", q.float(), kv) * scale
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    row_lse = torch.logsumexp(scores, dim=-1)  # [N, H]
+    has_kv = seq_lens > 0
+    probs = torch.exp(scores - torch.where(has_kv[:, None], row_lse, 0.0)[..., None])
+    row_out = torch.einsum("nht,ntv->nhv", probs, kv[..., :kv_lora_rank])
+    out[has_kv] = row_out[has_kv].to(q.dtype)
+    lse[has_kv] = row_lse[has_kv]
+    return out, lse
+
+
+def shard_paged_kv(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    world_size: int,
+    interleave: int,
+    null_fill: float = float("nan"),
+    generator: torch.Generator | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split a global paged latent cache into each DCP rank's local cache.
+
+    Simulates vLLM's DCP layout so that W ranks can run in one process. Each
+    rank gets its own paged cache with the same block size; block 0 is the
+    null block (filled with ``null_fill``, never referenced below a row's
+    length); local blocks are numbered in a shuffled order so that a kernel
+    relying on contiguous ids fails.
+
+    Args:
+        kv_cache: [num_blocks, block_size, D] global cache.
+        block_table: int [R, B] global block tables.
+        seq_lens: int [R] global lengths.
+        world_size, interleave: W and I.
+        null_fill: value written in the null block and in unused slots.
+        generator: for the block-id shuffle.
+
+    Returns:
+        One ``(local_cache [M, block_size, D], local_block_table int32 [R, B'])``
+        per rank; unused table entries are 0 (the null block).
+    """
+    num_reqs = seq_lens.shape[0]
+    block_size, width = kv_cache.shape[1], kv_cache.shape[2]
+    seq_lens = seq_lens.long()
+    shards = []
+    for rank in range(world_size):
+        local_lens = dcp_local_seq_lens(seq_lens, world_size, rank, interleave)
+        blocks_per_req = (local_lens + block_size - 1) // block_size
+        max_blocks = max(int(blocks_per_req.max()) if num_reqs else 0, 1)
+        num_local = int(blocks_per_req.sum())
+        ids = torch.randperm(num_local, generator=generator) + 1
+        table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
+        col = torch.arange(max_blocks)
+        used = col[None, :] < blocks_per_req[:, None]
+        table[used] = ids.to(torch.int32)
+        cache = kv_cache.new_full((num_local + 1, block_size, width), null_fill)
+
+        # Local slot j of a request holds global position p(j).
+        req_of = torch.repeat_interleave(torch.arange(num_reqs), local_lens)
+        starts = torch.cumsum(local_lens, 0) - local_lens
+        j = torch.arange(int(local_lens.sum())) - starts[req_of]
+        span = world_size * interleave
+        p = (j // interleave) * span + rank * interleave + j % interleave
+        src = kv_cache[block_table[req_of, p // block_size].long(), p % block_size]
+        cache[table[req_of, j // block_size].long(), j % block_size] = src
+        shards.append((cache.to(kv_cache.device), table.to(block_table.device)))
+    return shards
