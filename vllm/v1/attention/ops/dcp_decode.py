@@ -15,7 +15,7 @@ Shapes use these names:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -97,12 +97,13 @@ class FlatDecode:
     def num_rows(self) -> int:
         return self.seq_lens.shape[0]
 
-    def slice(self, num_rows: int) -> "FlatDecode":
-        """Views of the first ``num_rows`` rows (``num_rows + 1`` start locs)."""
+    def slice(self, num_rows: int, num_blocks: int | None = None) -> "FlatDecode":
+        """Views of the first ``num_rows`` rows (``num_rows + 1`` start locs)
+        and, if given, the first ``num_blocks`` block-table columns."""
         return FlatDecode(
             seq_lens=self.seq_lens[:num_rows],
             query_start_loc=self.query_start_loc[: num_rows + 1],
-            block_table=self.block_table[:num_rows],
+            block_table=self.block_table[:num_rows, :num_blocks],
             row_to_req=self.row_to_req[:num_rows],
             global_seq_lens=self.global_seq_lens[:num_rows],
             empty=self.empty[:num_rows],
@@ -191,7 +192,7 @@ def build_flat_decode(
 
     if out is None:
         out = alloc_flat_decode(num_rows, block_table.shape[1], device)
-    flat = out.slice(num_rows)
+    flat = out.slice(num_rows, block_table.shape[1])
     flat.row_to_req.copy_(req)
     flat.global_seq_lens.copy_(bound)
     flat.seq_lens.copy_(local)
@@ -199,7 +200,7 @@ def build_flat_decode(
     torch.arange(num_rows + 1, dtype=torch.int32, device=device,
                  out=flat.query_start_loc)
     if num_reqs > 0:
-        torch.index_select(block_table, 0, req, out=flat.block_table[:, : block_table.shape[1]])
+        flat.block_table.copy_(block_table.index_select(0, req))
     else:
         flat.block_table.zero_()
     return flat

@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-forward DCP decode metadata for MLA backends.
+
+Under decode context parallelism every rank holds an interleaved slice of each
+sequence's KV cache. A multi-token decode query (causal speculative verify or a
+non-causal DSpark draft block) then needs, per rank and per query token, its
+own local KV bound. ``DCPDecodeBuilderMixin`` computes these once per forward
+pass, in the metadata builder, and every MLA layer of the KV-cache group plus
+the DCP combine read the same ``DCPDecodeMetadata`` object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm.distributed.parallel_state import get_dcp_group
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonDecodeMetadata,
+)
+from vllm.v1.attention.ops import dcp_decode
+from vllm.v1.attention.ops.dcp_decode import FlatDecode
+
+
+@dataclass
+class DCPDecodeMetadata(MLACommonDecodeMetadata):
+    """MLA decode metadata with this rank's flattened DCP rows.
+
+    The inherited fields keep upstream's per-request meaning: ``block_table``
+    [R, B] and ``seq_lens`` [R] (local KV tokens of each request on this rank),
+    ``dcp_tot_seq_lens`` [R] (global lengths).
+
+    Attributes:
+        flat: one row per decode query token (N = decode tokens): local seq
+            lens, ``arange`` query start locs, expanded block table,
+            ``row_to_req``, global causal bounds and the ``empty`` mask. See
+            ``vllm.v1.attention.ops.dcp_decode.FlatDecode``.
+        causal: True for speculative verify (each token sees its prefix), False
+            for a non-causal DSpark draft block (every token sees the block).
+        max_query_len: the largest decode query length of the batch.
+        dcp_rank, dcp_world_size, interleave: the layout the rows were built for.
+    """
+
+    flat: FlatDecode
+    causal: bool
+    max_query_len: int
+    dcp_rank: int
+    dcp_world_size: int
+    interleave: int
+
+
+class DCPDecodeBuilderMixin:
+    """Mixin for ``MLACommonMetadataBuilder`` subclasses: fills
+    ``DCPDecodeMetadata`` once per ``build`` when DCP size > 1.
+
+    Put it first in the bases: ``class B(DCPDecodeBuilderMixin, XBuilder)``.
+    With DCP size 1 the builder's own decode metadata is returned unchanged.
+    The flattened rows are written into persistent buffers sized for the
+    largest decode batch, so a CUDA graph captured over ``build`` replays into
+    the same memory; the build makes no host sync.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
+        self._dcp_causal = True
+        self._dcp_rows: FlatDecode | None = None
+
+    def _dcp_row_capacity(self) -> int:
+        """Most decode rows one forward can hold (decode tokens of a full batch)."""
+        sched = self.vllm_config.scheduler_config
+        spec = self.vllm_config.speculative_config
+        query_len = max(self.reorder_batch_threshold, 1)
+        if spec is not None and spec.num_speculative_tokens:
+            query_len = max(query_len, spec.num_speculative_tokens + 1)
+        return min(sched.max_num_batched_tokens, sched.max_num_seqs * query_len)
+
+    def _dcp_row_buffers(self, num_rows: int, max_blocks: int) -> FlatDecode | None:
+        rows = self._dcp_rows
+        if rows is None or rows.block_table.shape[1] < max_blocks:
+            capacity = max(self._dcp_row_capacity(), num_rows)
+            rows = dcp_decode.alloc_flat_decode(capacity, max_blocks, self.device)
+            self._dcp_rows = rows
+        if num_rows > rows.num_rows:
+            return None  # larger than any graph: a fresh allocation is fine
+        return rows
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        self._dcp_causal = common_attn_metadata.causal is not False
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+    def _build_decode(
+        self,
+        block_table_tensor: torch.Tensor,
+        seq_lens_device: torch.Tensor,
+        max_seq_len: int,
+        query_start_loc_cpu: torch.Tensor,
+        query_start_loc_device: torch.Tensor,
+        num_decode_tokens: int,
+        max_query_len: int,
+        dcp_tot_seq_lens_device: torch.Tensor | None,
+    ) -> MLACommonDecodeMetadata:
+        if self.dcp_world_size == 1:
+            return super()._build_decode(
+                block_table_tensor=block_table_tensor,
+                seq_lens_device=seq_lens_device,
+                max_seq_len=max_seq_len,
+                query_start_loc_cpu=query_start_loc_cpu,
+                query_start_loc_device=query_start_loc_device,
+                num_decode_tokens=num_decode_tokens,
+                max_query_len=max_query_len,
+                dcp_tot_seq_lens_device=dcp_tot_seq_lens_device,
+            )
+        assert dcp_tot_seq_lens_device is not None
+        max_blocks = block_table_tensor.shape[1]
+        flat = dcp_decode.build_flat_decode(
+            dcp_tot_seq_lens_device,
+            query_start_loc_device,
+            block_table_tensor,
+            world_size=self.dcp_world_size,
+            rank=self.dcp_rank,
+            interleave=self.cp_kv_cache_interleave_size,
+            causal=self._dcp_causal,
+            num_rows=num_decode_tokens,
+            out=self._dcp_row_buffers(num_decode_tokens, max_blocks),
+        )
+        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+        return DCPDecodeMetadata(
+            block_table=block_table_tensor,
+            seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+            flat=flat,
+            causal=self._dcp_causal,
+            max_query_len=int(query_lens.max()) if len(query_lens) else 0,
+            dcp_rank=self.dcp_rank,
+            dcp_world_size=self.dcp_world_size,
+            interleave=self.cp_kv_cache_interleave_size,
+        )
