@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Real vLLM MLA metadata builders on CPU with a faked DCP process group.
+
+Everything is vLLM 0.32.0's own (``VllmConfig``, ``MLAAttentionSpec``,
+``CommonAttentionMetadata``, the builder classes) except the process group and
+the model's attention layers, which a builder only reads a few attributes of.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from dense_reference import KV_LORA_RANK, ROPE_DIM
+
+TINY_MLA_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 8, "q_lora_rank": None, "kv_lora_rank": KV_LORA_RANK,
+    "qk_rope_head_dim": ROPE_DIM, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "first_k_dense_replace": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_group": 1, "topk_group": 1, "max_position_embeddings": 4096,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "torch_dtype": "float32",
+}
+
+
+def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
+                     block_size: int = 16, num_speculative_tokens: int = 0):
+    from vllm.config import (CacheConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, SpeculativeConfig, VllmConfig)
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
+                        dtype="float32", max_model_len=4096)
+    parallel = ParallelConfig(tensor_parallel_size=dcp,
+                              decode_context_parallel_size=dcp,
+                              cp_kv_cache_interleave_size=interleave)
+    speculative = None
+    if num_speculative_tokens:
+        speculative = SpeculativeConfig(
+            method="ngram", num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_min=1, prompt_lookup_max=3, target_model_config=model,
+            target_parallel_config=parallel)
+    return VllmConfig(model_config=model, parallel_config=parallel,
+                      cache_config=CacheConfig(block_size=block_size),
+                      scheduler_config=SchedulerConfig(
+                          max_model_len=4096, is_encoder_decoder=False,
+                          max_num_batched_tokens=4096, max_num_seqs=64),
+                      speculative_config=speculative)
+
+
+@contextlib.contextmanager
+def fake_dcp_group(world_size: int, rank: int):
+    """Patch ``get_dcp_group`` wherever the builders look it up."""
+    group = SimpleNamespace(world_size=world_size, rank_in_group=rank)
+    targets = [
+        "vllm.model_executor.layers.attention.mla_attention.get_dcp_group",
+        "vllm.v1.attention.backends.mla.dcp_metadata.get_dcp_group",
+    ]
+    with contextlib.ExitStack() as stack:
+        for target in targets:
+            stack.enter_context(mock.patch(target, return_value=group))
+        yield group
+
+
+def _fake_dcp_manager():
+    from vllm.v1.attention.ops.dcp import MLADCPManager
+
+    class _NoCollectives(MLADCPManager):
+        def __init__(self):  # no process group to talk to
+            pass
+
+        def init_kv_gather(self, *args, **kwargs):
+            pass
+
+    return _NoCollectives()
+
+
+def register_fake_mla_layers(vllm_config, layer_names, *, non_causal=False):
+    """Put stand-ins of the model's MLA layers into the forward context."""
+    class _Prefill:
+        def clone(self):
+            return self
+
+    ctx = vllm_config.compilation_config.static_forward_context
+    for name in layer_names:
+        ctx[name] = SimpleNamespace(
+            non_causal_multi_token_decode=non_causal, q_lora_rank=None,
+            kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128,
+            qk_rope_head_dim=ROPE_DIM, v_head_dim=128, prefill_backend=_Prefill(),
+            dcp_manager=_fake_dcp_manager())
+
+
+def make_builder(builder_cls, vllm_config, *, layer_names=("model.layers.0.attn",),
+                 non_causal=False, **kwargs):
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    register_fake_mla_layers(vllm_config, layer_names, non_causal=non_causal)
+    spec = MLAAttentionSpec(block_size=vllm_config.cache_config.block_size,
+                            num_kv_heads=1, head_size=KV_LORA_RANK + ROPE_DIM,
+                            dtype=torch.float32)
+    with set_current_vllm_config(vllm_config):
+        return builder_cls(spec, list(layer_names), vllm_config,
+                           torch.device("cpu"), **kwargs)
+
+
+def common_metadata(seq_lens, query_lens, block_table, *, world_size, rank,
+                    interleave, causal=True):
+    """vLLM's ``CommonAttentionMetadata`` of a decode batch on one DCP rank."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens
+
+    seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.as_tensor(query_lens, dtype=torch.int32), 0)
+    num_tokens = int(qsl[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens,
+        num_reqs=len(query_lens), num_actual_tokens=num_tokens,
+        max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
+        causal=causal,
+        dcp_local_seq_lens=dcp_local_seq_lens(seq_lens, world_size, rank, interleave),
+        seq_lens_cpu_upper_bound=seq_lens.clone(),
+    )
