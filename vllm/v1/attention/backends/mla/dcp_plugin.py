@@ -14,7 +14,9 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 # (backend enum name, class path) pairs this plugin overrides.
-BACKEND_OVERRIDES: list[tuple[str, str]] = []
+BACKEND_OVERRIDES: list[tuple[str, str]] = [
+    ("CPU_MLA", "vllm.v1.attention.backends.mla.cpu_dcp_mla.CPUDCPMLABackend"),
+]
 
 
 def register() -> None:
@@ -24,7 +26,12 @@ def register() -> None:
         register_backend,
     )
 
+    from vllm.v1.attention.backends.mla.cpu_dcp_patches import (
+        install_cpu_dcp_patches,
+    )
+
     for name, class_path in BACKEND_OVERRIDES:
         register_backend(AttentionBackendEnum[name], class_path)
+    install_cpu_dcp_patches()
     logger.debug("vllm-dcp-dspark: registered %d MLA backend overrides",
                  len(BACKEND_OVERRIDES))

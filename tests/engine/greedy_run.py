@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Greedy generation through ``vllm.LLM`` on CPU, one engine per process.
+
+The engine tests run this as a subprocess (vLLM's CPU workers fork and bind
+threads, which does not mix with pytest's process) and read one JSON object
+from the last line of stdout::
+
+    python tests/engine/greedy_run.py --model DIR --prompts-json FILE \
+        --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3]
+
+Output: ``{"tokens": [[...] per prompt], "load_s": ..., "generate_s": ...,
+"spec": {...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def cpu_engine_env(tp: int) -> dict[str, str]:
+    """Environment a CPU engine needs on a small machine (DESIGN.md §8)."""
+    cores = os.cpu_count() or 1
+    per_rank = max(cores // tp, 1)
+    binds = "|".join(
+        ",".join(str(rank * per_rank + i) for i in range(per_rank))
+        if per_rank > 1 else str(rank % cores)
+        for rank in range(tp))
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": binds,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts-json", required=True,
+                        help="JSON list of token-id lists")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dcp", type=int, default=1)
+    parser.add_argument("--interleave", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ngram", type=int, default=0,
+                        help="ngram speculative tokens (0: no speculation)")
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(open(args.prompts_json).read())
+    kwargs = {}
+    if args.ngram:
+        kwargs["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": args.ngram,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
+    start = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        tensor_parallel_size=args.tp,
+        decode_context_parallel_size=args.dcp,
+        cp_kv_cache_interleave_size=args.interleave,
+        block_size=16,
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=8,
+        seed=0,
+        **kwargs,
+    )
+    loaded = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                            ignore_eos=True, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           params, use_tqdm=False)
+    done = time.perf_counter()
+    spec = {}
+    if args.ngram:
+        try:
+            metrics = {m.name: getattr(m, "value", getattr(m, "values", None))
+                       for m in llm.get_metrics()}
+            spec = {k: v for k, v in metrics.items() if "spec_decode" in k}
+        except Exception as exc:  # metrics are informative only
+            spec = {"error": repr(exc)}
+    result = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "load_s": round(loaded - start, 1),
+        "generate_s": round(done - loaded, 1),
+        "spec": spec,
+    }
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

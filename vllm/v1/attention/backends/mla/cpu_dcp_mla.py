@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU MLA backend with decode context parallelism (DCP).
+
+vLLM's ``CPU_MLA`` decode kernel returns no LSE, so the CPU MLA impl pins the
+DCP world size to 1. This subclass keeps the real DCP world size and rank and,
+when DCP > 1, decodes with the ops layer's torch reference kernel over the
+per-forward flattened rows of ``DCPDecodeMetadata`` (one row per query token,
+each with its own local causal bound), returning natural-log LSE for vLLM's
+combine. That covers single-token decode, causal multi-token speculative
+verify and non-causal draft blocks alike.
+
+With DCP = 1 everything (builder, decode kernel, prefill) is upstream's.
+Prefill is always upstream's: on CPU, MLA runs without chunked prefill and
+prefix caching, so a prefill never reads KV from the (sharded) cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionLayer
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+from vllm.v1.attention.backends.mla.dcp_metadata import (
+    DCPDecodeBuilderMixin,
+    DCPDecodeMetadata,
+)
+from vllm.v1.attention.ops.dcp_decode import mla_decode_reference
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+
+class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
+    """Upstream's MLA builder, plus flattened DCP decode rows when DCP > 1.
+
+    Under DCP the decode path accepts variable query lengths (each query token
+    is its own row), so speculative verify batches are decodes; with DCP = 1
+    the class attributes stay upstream's (single-token decode only).
+    """
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        use_dcp = vllm_config.parallel_config.decode_context_parallel_size > 1
+        if use_dcp:
+            self.query_len_support = QueryLenSupport.VARLEN
+        super().__init__(
+            kv_cache_spec,
+            layer_names,
+            vllm_config,
+            device,
+            supports_dcp_with_varlen=use_dcp,
+        )
+
+
+class CPUDCPMLAImpl(CPUMLAImpl):
+    """``CPUMLAImpl`` that keeps the DCP group and returns decode LSE."""
+
+    can_return_lse_for_decode: bool = True
+    lse_base_on_e: bool = True
+    supports_dcp: bool = True
+    supports_mtp_with_cp_non_trivial_interleave_size: bool = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        # AttentionImpl.__new__ read the DCP group; CPUMLAImpl.__init__ then
+        # overwrites the size with 1.
+        dcp_world_size, dcp_rank = self.dcp_world_size, self.dcp_rank
+        super().__init__(*args, **kwargs)
+        from vllm.config import get_current_vllm_config
+
+        parallel_config = get_current_vllm_config().parallel_config
+        self.dcp_world_size = dcp_world_size
+        self.dcp_rank = dcp_rank
+        self.total_cp_world_size = dcp_world_size
+        self.total_cp_rank = dcp_rank
+        self.cp_kv_cache_interleave_size = (
+            parallel_config.cp_kv_cache_interleave_size if dcp_world_size > 1 else 1
+        )
+        self.need_to_return_lse_for_decode = dcp_world_size > 1
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: MLACommonMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Absorbed MLA decode over this rank's KV slice.
+
+        Args:
+            q: [N, H, Dv + R] latent queries of the N decode tokens (H = all
+                heads of the DCP group), or the ``(q_nope [N, H, Dv],
+                q_pe [N, H, R])`` pair.
+            kv_c_and_k_pe_cache: [num_blocks, block_size, Dv + R] local cache.
+
+        Returns:
+            ``(out [N, H, Dv] in q's dtype, lse [N, H] float32 natural log)``;
+            with DCP = 1, upstream's ``(out, None)``. Rows for which this rank
+            holds no KV give ``lse = -inf``.
+        """
+        if self.dcp_world_size == 1:
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+        decode = attn_metadata.decode
+        assert isinstance(decode, DCPDecodeMetadata), (
+            "DCP decode needs the per-forward flattened rows of "
+            f"CPUDCPMLAMetadataBuilder, got {type(decode).__name__}")
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        rows = decode.flat
+        num_rows = q.shape[0]
+        assert rows.num_rows >= num_rows
+        return mla_decode_reference(
+            q,
+            kv_c_and_k_pe_cache,
+            rows.block_table[:num_rows],
+            rows.seq_lens[:num_rows],
+            kv_lora_rank=self.kv_lora_rank,
+            scale=self.scale,
+        )
+
+
+class CPUDCPMLABackend(CPUMLABackend):
+    """``CPU_MLA`` with DCP support (registered over it by the plugin)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[CPUDCPMLAImpl]:
+        return CPUDCPMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[CPUDCPMLAMetadataBuilder]:
+        return CPUDCPMLAMetadataBuilder

