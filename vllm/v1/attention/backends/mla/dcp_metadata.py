@@ -11,7 +11,9 @@ the DCP combine read the same ``DCPDecodeMetadata`` object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +42,10 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
             for a non-causal DSpark draft block (every token sees the block).
         max_query_len: the largest decode query length of the batch.
         dcp_rank, dcp_world_size, interleave: the layout the rows were built for.
+        forward_id: distinct for every ``build``; a kernel that plans per
+            forward (FlashInfer's Hopper MLA) re-plans when it changes.
+        kernel_state: owned by the builder and shared by every forward of the
+            KV-cache group: where a backend keeps its per-group kernel objects.
     """
 
     flat: FlatDecode
@@ -48,6 +54,8 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
     dcp_rank: int
     dcp_world_size: int
     interleave: int
+    forward_id: int = 0
+    kernel_state: dict[Any, Any] = field(default_factory=dict)
 
 
 class DCPDecodeBuilderMixin:
@@ -55,17 +63,27 @@ class DCPDecodeBuilderMixin:
     ``DCPDecodeMetadata`` once per ``build`` when DCP size > 1.
 
     Put it first in the bases: ``class B(DCPDecodeBuilderMixin, XBuilder)``.
-    With DCP size 1 the builder's own decode metadata is returned unchanged.
+    With DCP size 1 the builder's own decode metadata is returned unchanged,
+    unless ``rows_without_dcp`` is set (a kernel that only runs on rows).
     The flattened rows are written into persistent buffers sized for the
     largest decode batch, so a CUDA graph captured over ``build`` replays into
     the same memory; the build makes no host sync.
     """
 
+    rows_without_dcp: bool = False
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._init_dcp_rows()
+
+    def _init_dcp_rows(self) -> None:
+        """State of the mixin; call it from an ``__init__`` that bypasses
+        the mixin's own."""
         self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
         self._dcp_causal = True
         self._dcp_rows: FlatDecode | None = None
+        self._dcp_forward_ids = itertools.count(1)
+        self._dcp_kernel_state: dict[Any, Any] = {}
 
     def _dcp_row_capacity(self) -> int:
         """Most decode rows one forward can hold (decode tokens of a full batch)."""
@@ -101,7 +119,7 @@ class DCPDecodeBuilderMixin:
         max_query_len: int,
         dcp_tot_seq_lens_device: torch.Tensor | None,
     ) -> MLACommonDecodeMetadata:
-        if self.dcp_world_size == 1:
+        if self.dcp_world_size == 1 and not self.rows_without_dcp:
             return super()._build_decode(
                 block_table_tensor=block_table_tensor,
                 seq_lens_device=seq_lens_device,
@@ -112,7 +130,8 @@ class DCPDecodeBuilderMixin:
                 max_query_len=max_query_len,
                 dcp_tot_seq_lens_device=dcp_tot_seq_lens_device,
             )
-        assert dcp_tot_seq_lens_device is not None
+        if dcp_tot_seq_lens_device is None:  # DCP size 1: local is global
+            dcp_tot_seq_lens_device = seq_lens_device
         max_blocks = block_table_tensor.shape[1]
         flat = dcp_decode.build_flat_decode(
             dcp_tot_seq_lens_device,
@@ -136,4 +155,6 @@ class DCPDecodeBuilderMixin:
             dcp_rank=self.dcp_rank,
             dcp_world_size=self.dcp_world_size,
             interleave=self.cp_kv_cache_interleave_size,
+            forward_id=next(self._dcp_forward_ids),
+            kernel_state=self._dcp_kernel_state,
         )
