@@ -1,0 +1,91 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared helpers for the DCP benchmarks: timing, CSV/PNG output, tables."""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+
+import torch
+
+
+def time_ms(fn, *, graph: bool = True, rep: int = 40) -> float:
+    """Median time of ``fn()`` in ms (CUDA-graph replay when ``graph``).
+
+    Falls back to eager event timing if ``fn`` cannot be captured.
+    """
+    import triton.testing as tt
+
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            return float(tt.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+        except Exception as e:  # noqa: BLE001 - report and fall back
+            print(f"  (graph capture failed: {type(e).__name__}: {e}; eager)")
+            torch.cuda.synchronize()
+    return float(tt.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth_tbs(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, counting bytes read plus written (TB/s)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), graph=False, rep=100)
+    return 2 * num_bytes / (ms * 1e-3) / 1e12
+
+
+def environment() -> dict:
+    env = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
+               cuda=torch.version.cuda, python=platform.python_version())
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        import flashinfer
+        env["flashinfer"] = flashinfer.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    keys = list(rows[0])
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def print_table(rows: list[dict], cols: list[str], fmt: dict | None = None) -> str:
+    fmt = fmt or {}
+    def cell(r, c):
+        v = r.get(c, "")
+        if isinstance(v, float):
+            return format(v, fmt.get(c, ".3g"))
+        return str(v)
+    widths = [max(len(c), *(len(cell(r, c)) for r in rows)) for c in cols]
+    lines = ["| " + " | ".join(c.rjust(w) for c, w in zip(cols, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(cell(r, c).rjust(w)
+                                        for c, w in zip(cols, widths)) + " |")
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def random_paged_tables(num_reqs: int, kv_lens: torch.Tensor, page: int,
+                        pool_pages: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 [R, B] distinct random page ids in [1, pool_pages) per table."""
+    cols = max(int(((kv_lens + page - 1) // page).max()), 1)
+    need = num_reqs * cols
+    assert need < pool_pages, (need, pool_pages)
+    ids = torch.randperm(pool_pages - 1, generator=gen)[:need] + 1
+    return ids.view(num_reqs, cols).to(torch.int32)

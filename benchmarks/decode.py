@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-rank DCP MLA decode with FlashInfer's sm90 (FA3) MLA kernel.
+
+For each point (heads H, batch, global context, mode, DCP size W) and for
+ranks 0 and W-1 (rank 0 holds the most KV, so it bounds the step), times
+  flat     one non-causal row per query token (FlatDecode),
+  grouped  one non-causal row per group of tokens with equal local bound,
+  native   FlashInfer's own multi-token decode over the same local KV, one
+           segment per request (causal for verify, non-causal for a draft);
+           at W = 1 this is plain no-DCP decode.
+Kimi-K3 shapes: latent 512 + rope 64, bf16, page 64. Reports achieved KV
+bandwidth (unique local KV bytes / time) against a measured device copy rate,
+the per-rank ratio flat/native and grouped/native, and the time of a W-rank
+step (max over ranks) against W = 1 native. Kernel time only (CUDA-graph
+replay of the wrapper's run; the adapter's LSE scaling and empty-row masking
+add two small elementwise kernels).
+
+Example: python benchmarks/decode.py --out-dir benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import (copy_bandwidth_tbs, environment, print_table,  # noqa: E402
+                     random_paged_tables, time_ms, write_csv)
+
+from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens  # noqa: E402
+from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA  # noqa: E402
+from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
+    build_flat_decode_triton, build_grouped_decode)
+
+DV, DR, PAGE = 512, 64, 64
+KV_BYTES_PER_TOKEN = (DV + DR) * 2
+
+
+def parse_points(text):
+    pts = []
+    for item in text.split(","):
+        b, c = item.split("x")
+        pts.append((int(b), int(c.rstrip("kK")) * (1024 if c[-1] in "kK" else 1)))
+    return pts
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 96])
+    ap.add_argument("--points", default="1x256k,64x32k,256x4k,64x4k",
+                    help="batch x global context, comma separated")
+    ap.add_argument("--world", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--modes", nargs="+", default=["causal4", "noncausal7"],
+                    help="causal<q_len> or noncausal<q_len>")
+    ap.add_argument("--interleave", type=int, default=1)
+    ap.add_argument("--pool-gib", type=float, default=3.0,
+                    help="size of the shared random KV page pool")
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    args = ap.parse_args()
+    env = environment()
+    copy_tbs = copy_bandwidth_tbs()
+    env["copy_TBps"] = round(copy_tbs, 3)
+    print(env)
+    points = parse_points(args.points)
+    pool_pages = int(args.pool_gib * (1 << 30) / (PAGE * KV_BYTES_PER_TOKEN))
+    cache = torch.randn(pool_pages, PAGE, DV + DR, device="cuda",
+                        dtype=torch.bfloat16)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    scale = 1 / math.sqrt(192)
+    rows = []
+    grid = list(itertools.product(args.heads, points, args.modes, args.world))
+    for heads, (batch, ctx), mode, world in tqdm(grid, desc="decode"):
+        causal = mode.startswith("causal")
+        q_len = int(mode.replace("noncausal", "").replace("causal", ""))
+        gen = torch.Generator().manual_seed(batch + ctx + world)
+        # Slightly ragged lengths around ctx.
+        seq = (ctx - torch.randint(0, 64, (batch,), generator=gen)).int()
+        qsl = (torch.arange(batch + 1) * q_len).int().cuda()
+        n = batch * q_len
+        q = torch.randn(n, heads, DV + DR, device="cuda", dtype=torch.bfloat16)
+        out = q.new_empty(n, heads, DV)
+        lse = torch.empty(n, heads, device="cuda")
+        ranks = sorted({0, world - 1})
+        for rank in ranks:
+            local = dcp_local_seq_lens(seq, world, rank, args.interleave)
+            table = random_paged_tables(batch, local, PAGE, pool_pages, gen).cuda()
+            seq_d, local_d = seq.cuda(), local.cuda()
+            flat = build_flat_decode_triton(
+                seq_d, qsl, table, world_size=world, rank=rank,
+                interleave=args.interleave, causal=causal, num_rows=n)
+            grouped = build_grouped_decode(flat, qsl, table)
+            times = {}
+            mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE,
+                                    sm_scale=scale)
+            for variant in ("flat", "grouped", "native"):
+                if variant == "flat":
+                    mla.plan_flat(flat)
+                elif variant == "grouped":
+                    mla.plan_grouped(grouped, num_tokens=n)
+                else:
+                    mla.plan_requests(qsl, local_d, table, causal=causal)
+                run = lambda: mla._wrapper.run(query=q, kv_cache=cache, out=out,
+                                               lse=lse, return_lse=True)
+                times[variant] = time_ms(run)
+            kv_bytes = int(local.sum()) * KV_BYTES_PER_TOKEN
+            row = dict(heads=heads, batch=batch, ctx=ctx, mode=mode, W=world,
+                       rank=rank, groups=int(grouped.num_groups), rows=n,
+                       flat_us=times["flat"] * 1e3,
+                       grouped_us=times["grouped"] * 1e3,
+                       native_us=times["native"] * 1e3,
+                       flat_over_native=times["flat"] / times["native"],
+                       grouped_over_native=times["grouped"] / times["native"],
+                       native_TBps=kv_bytes / (times["native"] * 1e-3) / 1e12,
+                       grouped_TBps=kv_bytes / (times["grouped"] * 1e-3) / 1e12)
+            row["grouped_bw_frac"] = row["grouped_TBps"] / copy_tbs
+            rows.append(row)
+    del cache
+    os.makedirs(args.out_dir, exist_ok=True)
+    write_csv(os.path.join(args.out_dir, "decode.csv"), rows)
+    print(f"copy rate (read+write): {copy_tbs:.2f} TB/s")
+    print_table(rows, ["heads", "batch", "ctx", "mode", "W", "rank", "groups",
+                       "flat_us", "grouped_us", "native_us", "flat_over_native",
+                       "grouped_over_native", "grouped_TBps"])
+
+    # W-rank step: max over the timed ranks vs W = 1 native.
+    steps = []
+    for heads, (batch, ctx), mode in itertools.product(args.heads, points,
+                                                       args.modes):
+        sel = [r for r in rows if (r["heads"], r["batch"], r["ctx"], r["mode"])
+               == (heads, batch, ctx, mode)]
+        base = next(r["native_us"] for r in sel if r["W"] == 1)
+        for world in args.world:
+            ws_ = [r for r in sel if r["W"] == world]
+            step = dict(heads=heads, batch=batch, ctx=ctx, mode=mode, W=world,
+                        step_flat_us=max(r["flat_us"] for r in ws_),
+                        step_grouped_us=max(r["grouped_us"] for r in ws_),
+                        w1_native_us=base)
+            step["flat_vs_w1"] = step["step_flat_us"] / base
+            step["grouped_vs_w1"] = step["step_grouped_us"] / base
+            steps.append(step)
+    write_csv(os.path.join(args.out_dir, "decode_step.csv"), steps)
+    print("\nW-rank step (max over ranks 0 and W-1) vs W=1 native:")
+    print_table(steps, ["heads", "batch", "ctx", "mode", "W", "step_flat_us",
+                        "step_grouped_us", "w1_native_us", "flat_vs_w1",
+                        "grouped_vs_w1"])
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(args.heads), len(args.modes),
+                             figsize=(6 * len(args.modes), 4 * len(args.heads)),
+                             squeeze=False)
+    for (i, heads), (j, mode) in itertools.product(enumerate(args.heads),
+                                                   enumerate(args.modes)):
+        ax = axes[i][j]
+        labels = [f"{b}x{c // 1024}k" for b, c in points]
+        x = range(len(points))
+        for k, world in enumerate(args.world):
+            sel = [next(s for s in steps if (s["heads"], s["batch"], s["ctx"],
+                        s["mode"], s["W"]) == (heads, b, c, mode, world))
+                   for b, c in points]
+            ax.plot(x, [s["step_grouped_us"] for s in sel], "o-", color=f"C{k}",
+                    label=f"grouped W={world}")
+            ax.plot(x, [s["step_flat_us"] for s in sel], "x--", color=f"C{k}",
+                    label=f"flat W={world}")
+        ax.plot(x, [next(s["w1_native_us"] for s in steps
+                         if (s["heads"], s["batch"], s["ctx"], s["mode"]) ==
+                         (heads, b, c, mode)) for b, c in points],
+                "k:", label="native W=1")
+        ax.set_xticks(list(x), labels)
+        ax.set_yscale("log")
+        ax.set_title(f"H={heads} {mode}")
+        ax.set_ylabel("us per layer step (max over ranks)")
+        ax.legend(fontsize=6)
+    fig.suptitle(f"FlashInfer sm90 MLA under DCP, {env['device']}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out_dir, "decode.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
