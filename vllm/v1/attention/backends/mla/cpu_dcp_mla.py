@@ -16,6 +16,8 @@ prefix caching, so a prefill never reads KV from the (sharded) cache.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from vllm.config import VllmConfig
@@ -37,10 +39,14 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
     """Upstream's MLA builder, plus flattened DCP decode rows when DCP > 1.
 
-    Under DCP the decode path accepts variable query lengths (each query token
-    is its own row), so speculative verify batches are decodes; with DCP = 1
-    the class attributes stay upstream's (single-token decode only).
+    Under DCP the decode path accepts variable query lengths and non-causal
+    blocks (each query token is its own row), so speculative verify batches
+    and draft blocks are decodes; with DCP = 1 the builder is upstream's
+    (single-token decode only).
     """
+
+    # Only consulted when DCP > 1.
+    supports_non_causal_multi_token_dcp: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -52,6 +58,7 @@ class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
         use_dcp = vllm_config.parallel_config.decode_context_parallel_size > 1
         if use_dcp:
             self.query_len_support = QueryLenSupport.VARLEN
+            self.supports_non_causal_multi_token_decode = True
         super().__init__(
             kv_cache_spec,
             layer_names,
