@@ -48,17 +48,23 @@ def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
             method="ngram", num_speculative_tokens=num_speculative_tokens,
             prompt_lookup_min=1, prompt_lookup_max=3, target_model_config=model,
             target_parallel_config=parallel)
-    return VllmConfig(model_config=model, parallel_config=parallel,
-                      cache_config=CacheConfig(block_size=block_size),
-                      scheduler_config=SchedulerConfig(
-                          max_model_len=4096, is_encoder_decoder=False,
-                          max_num_batched_tokens=4096, max_num_seqs=64),
-                      speculative_config=speculative)
+    config = VllmConfig(model_config=model, parallel_config=parallel,
+                        cache_config=CacheConfig(block_size=block_size),
+                        scheduler_config=SchedulerConfig(
+                            max_model_len=4096, is_encoder_decoder=False,
+                            max_num_batched_tokens=4096, max_num_seqs=64),
+                        speculative_config=speculative)
+    # The CPU platform forces CPU_MLA's block size 16; the GPU backends
+    # under test page by ``block_size``.
+    config.cache_config.block_size = block_size
+    return config
 
 
 @contextlib.contextmanager
 def fake_dcp_group(world_size: int, rank: int):
     """Patch ``get_dcp_group`` wherever the builders look it up."""
+    from vllm.distributed import parallel_state
+
     group = SimpleNamespace(world_size=world_size, rank_in_group=rank)
     targets = [
         "vllm.model_executor.layers.attention.mla_attention.get_dcp_group",
@@ -67,6 +73,8 @@ def fake_dcp_group(world_size: int, rank: int):
     with contextlib.ExitStack() as stack:
         for target in targets:
             stack.enter_context(mock.patch(target, return_value=group))
+        if world_size > 1:  # what attention impls read at construction
+            stack.enter_context(mock.patch.object(parallel_state, "_DCP", group))
         yield group
 
 

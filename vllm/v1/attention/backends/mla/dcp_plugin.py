@@ -15,6 +15,10 @@ logger = init_logger(__name__)
 
 # (backend enum name, class path) pairs this plugin overrides.
 BACKEND_OVERRIDES: list[tuple[str, str]] = [
+    ("FLASHINFER_MLA",
+     "vllm.v1.attention.backends.mla.flashinfer_dcp_mla.FlashInferDCPMLABackend"),
+    ("TOKENSPEED_MLA",
+     "vllm.v1.attention.backends.mla.tokenspeed_dcp_mla.TokenspeedDCPMLABackend"),
     ("CPU_MLA", "vllm.v1.attention.backends.mla.cpu_dcp_mla.CPUDCPMLABackend"),
 ]
 

@@ -1,0 +1,178 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FlashInfer-MLA and Tokenspeed DCP backends on CPU, kernels stood in by
+reference adapters bound to the installed kernels' signatures.
+
+For simulated W in {2, 4, 8}: each rank's real builder fills the per-forward
+metadata from vLLM's ``CommonAttentionMetadata``, the real impl's
+``forward_mqa`` runs every layer of a multi-layer forward on that one
+metadata object, and the ranks' partials merge to full attention.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from builder_harness import common_metadata, fake_dcp_group, make_builder, make_vllm_config
+from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
+from kernel_stubs import TokenspeedMLAReference, TrtllmMLAReference, import_on_cpu
+from vllm.v1.attention.ops import dcp_decode
+
+import importlib.util
+
+if not (importlib.util.find_spec("flashinfer") and importlib.util.find_spec("tokenspeed_mla")):
+    pytest.skip("flashinfer-python and tokenspeed-mla are needed for the kernel "
+                "contracts (bash .ci/install installs them)", allow_module_level=True)
+
+NUM_HEADS = 8
+BLOCK_SIZE = 64
+NUM_LAYERS = 3
+
+
+class Backend:
+    """What differs between the two backends under test."""
+
+    def __init__(self, name):
+        self.name = name
+        if name == "FLASHINFER_MLA":
+            self.module = import_on_cpu(
+                "vllm.v1.attention.backends.mla.flashinfer_dcp_mla")
+            self.backend = self.module.FlashInferDCPMLABackend
+            self.kernel = TrtllmMLAReference()
+            self.kernel_attr = "trtllm_batch_decode_with_kv_cache_mla"
+            self.workspace_attr = "_get_workspace_buffer"
+            self.dtype, self.kv_cache_dtype = torch.bfloat16, "auto"
+        else:
+            self.module = import_on_cpu(
+                "vllm.v1.attention.backends.mla.tokenspeed_dcp_mla")
+            self.backend = self.module.TokenspeedDCPMLABackend
+            self.kernel = TokenspeedMLAReference()
+            self.kernel_attr = None  # imported inside forward_mqa
+            self.workspace_attr = "_get_workspace"
+            self.dtype, self.kv_cache_dtype = torch.float8_e4m3fn, "fp8"
+
+    def patches(self):
+        stack = [
+            mock.patch.object(self.module.checks, "current_gpu_major", return_value=10),
+            mock.patch.object(self.module, self.workspace_attr,
+                              lambda *a, **k: torch.empty(0, dtype=torch.int8)),
+        ]
+        if self.kernel_attr:
+            stack.append(mock.patch.object(self.module, self.kernel_attr, self.kernel))
+        else:
+            stack.append(mock.patch("tokenspeed_mla.tokenspeed_mla_decode", self.kernel))
+            stack.append(mock.patch("tokenspeed_mla.warmup_compile_prefill",
+                                    lambda **kwargs: None))
+        return stack
+
+
+@pytest.fixture(params=["FLASHINFER_MLA", "TOKENSPEED_MLA"])
+def backend(request):
+    return Backend(request.param)
+
+
+def _make_impl(backend, scale):
+    impl_cls = backend.backend.get_impl_cls()
+    return impl_cls(
+        num_heads=NUM_HEADS, head_size=KV_LORA_RANK + ROPE_DIM, scale=scale,
+        num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+        kv_cache_dtype=backend.kv_cache_dtype, logits_soft_cap=None,
+        attn_type="decoder", kv_sharing_target_layer_name=None, q_lora_rank=None,
+        kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM,
+        qk_head_dim=128 + ROPE_DIM, v_head_dim=128, kv_b_proj=None)
+
+
+def _layer():
+    upstream_combine = mock.Mock(name="upstream_combine")
+    return SimpleNamespace(_q_scale_float=1.0, _k_scale_float=1.0,
+                           dcp_manager=SimpleNamespace(combine=upstream_combine))
+
+
+def _rounded(batch, dtype):
+    """The batch as the kernel sees it: q and KV stored in ``dtype``."""
+    batch.q = batch.q.to(dtype).float()
+    null = batch.kv_cache[0].clone()
+    batch.kv_cache = batch.kv_cache.to(dtype).float()
+    batch.kv_cache[0] = null
+    return batch
+
+
+CASES = {  # (seq_lens, query_lens) per (causal, batch shape)
+    (True, "uniform"): ([37, 4, 300, 18, 130], [4, 4, 4, 4, 4]),
+    (False, "uniform"): ([37, 7, 300, 18, 130], [7, 7, 7, 7, 7]),
+    # CUDA-graph padding: trailing zero-length requests.
+    (True, "padded"): ([37, 4, 300, 0, 0], [4, 4, 4, 0, 0]),
+    (False, "padded"): ([37, 7, 300, 0], [7, 7, 7, 0]),
+    # Adaptive verification: ragged query lengths (FlashInfer is VARLEN).
+    (True, "ragged"): ([37, 2, 300, 18, 130], [4, 1, 7, 3, 2]),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("causal,shape", sorted(CASES))
+def test_forward_mqa_merges_to_full_attention(tmp_path, backend, world_size,
+                                              interleave, causal, shape, monkeypatch):
+    if shape == "ragged" and backend.name == "TOKENSPEED_MLA":
+        pytest.skip("Tokenspeed takes uniform query lengths (QueryLenSupport.UNIFORM)")
+    seq_lens, query_lens = CASES[causal, shape]
+    batch = _rounded(random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
+                                         num_heads=NUM_HEADS, seed=world_size),
+                     backend.dtype)
+    ref_out, ref_lse = full_attention(batch, causal=causal)
+    shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
+                                       batch.seq_lens, world_size=world_size,
+                                       interleave=interleave)
+    config = make_vllm_config(tmp_path / "model", dcp=world_size, interleave=interleave,
+                              block_size=BLOCK_SIZE, num_speculative_tokens=6)
+    config.cache_config.cache_dtype = backend.kv_cache_dtype
+    builds = []
+    real_build = dcp_decode.build_flat_decode
+    monkeypatch.setattr(dcp_decode, "build_flat_decode",
+                        lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+
+    outs, lses = [], []
+    for rank, (cache, table) in enumerate(shards):
+        from vllm.config import set_current_vllm_config
+
+        with fake_dcp_group(world_size, rank), set_current_vllm_config(config):
+            patches = backend.patches()
+            for p in patches:
+                p.start()
+            try:
+                builder = make_builder(backend.backend.get_builder_cls(), config,
+                                       layer_names=layer_names, non_causal=not causal)
+                common = common_metadata(seq_lens, query_lens, table,
+                                         world_size=world_size, rank=rank,
+                                         interleave=interleave, causal=causal)
+                metadata = builder.build(0, common)
+                impl = _make_impl(backend, batch.scale)
+                assert impl.dcp_world_size == world_size and impl.dcp_rank == rank
+                q = batch.q.to(backend.dtype)
+                kv = cache.to(backend.dtype)
+                layer_results = []
+                for _ in layer_names:
+                    layer = _layer()
+                    out, lse = impl.forward_mqa(q, kv, metadata, layer)
+                    layer_results.append((out.float(), lse))
+                    # The layer's combine now skips vLLM's per-layer mask.
+                    assert layer.dcp_manager.combine_masked_by_rows
+            finally:
+                for p in patches:
+                    p.stop()
+        assert len(builds) == rank + 1, "one metadata build per forward, not per layer"
+        for out, lse in layer_results[1:]:
+            assert torch.equal(out, layer_results[0][0])
+        outs.append(layer_results[0][0])
+        lses.append(layer_results[0][1])
+    out, lse = dcp_decode.merge_partials(torch.stack(outs), torch.stack(lses),
+                                         lse_base_e=impl.lse_base_on_e)
+    if not impl.lse_base_on_e:
+        lse = lse * torch.log(torch.tensor(2.0))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)

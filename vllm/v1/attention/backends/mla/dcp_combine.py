@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The DCP combine of MLA decode, driven by the per-forward row metadata.
+
+vLLM's combine (``MLADCPManager.combine``) masks empty shards per layer with a
+searchsorted over per-request *local* lengths: a row whose per-token bound is
+0 on this rank while its request's local length is not (the first tokens of a
+causal verify block) escapes the mask and feeds the kernel's undefined output
+into the merge. Here the backends mask with ``DCPDecodeMetadata.flat.empty``,
+computed once per forward, and the layer's combine skips its own mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.v1.attention.ops.dcp_decode import FlatDecode
+
+
+def mask_empty_rows_(out: torch.Tensor, lse: torch.Tensor, flat: FlatDecode) -> None:
+    """Neutralise rows where this rank holds no KV, in place.
+
+    Args:
+        out: [N', H, Dv] partial outputs, N' >= N rows (extra rows: padding).
+        lse: [N', H] partial LSEs (any base).
+        flat: the forward's rows (N of them).
+    """
+    num_rows = flat.num_rows
+    empty = flat.empty
+    lse[:num_rows].masked_fill_(empty[:, None], float("-inf"))
+    out[:num_rows].masked_fill_(empty[:, None, None], 0.0)
+    if lse.shape[0] > num_rows:
+        lse[num_rows:].fill_(float("-inf"))
+        out[num_rows:].zero_()
+
+
+def route_combine_through_rows(layer) -> None:
+    """Make ``layer``'s DCP combine trust the rows' mask (idempotent).
+
+    vLLM builds one ``MLADCPManager`` per attention layer and offers no hook
+    for the mask, so its bound ``combine`` is wrapped to drop the per-request
+    arguments that trigger the per-layer searchsorted; the collective itself
+    (all-gather + reduce-scatter or all-to-all) is vLLM's own.
+    """
+    manager = getattr(layer, "dcp_manager", None)
+    if manager is None or getattr(manager, "combine_masked_by_rows", False):
+        return
+    collective = manager.combine
+
+    def combine(attn_out, lse, seq_lens=None, query_start_loc=None, **kwargs):
+        return collective(attn_out, lse, **kwargs)
+
+    manager.combine = combine
+    manager.combine_masked_by_rows = True

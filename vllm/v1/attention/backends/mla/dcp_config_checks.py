@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Start-up checks of the DCP x DSpark MLA backends.
+
+Every unsupported combination of backend, GPU generation, DCP size,
+interleave, KV-cache dtype, query length and head dims is reported at
+start-up (metadata builder construction, backend selection) as a
+``ValueError`` that names the flag to change, never as a wrong answer or a
+crash inside a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FLASHINFER_MLA = "FLASHINFER_MLA"
+TOKENSPEED_MLA = "TOKENSPEED_MLA"
+
+# MLA latent layout every kernel here is built for (DeepSeek-V3 / Kimi-K3).
+KV_LORA_RANK = 512
+QK_ROPE_HEAD_DIM = 64
+FLASHINFER_QK_NOPE_HEAD_DIMS = (64, 128, 192)
+TOKENSPEED_HEAD_DIMS = (128, 64, 128)  # qk_nope, qk_rope, v
+TOKENSPEED_MAX_QUERY_LEN = 8
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class DCPSetting:
+    """What the checks read from a ``VllmConfig`` (and the GPU)."""
+
+    gpu_major: int | None  # compute capability major; None without a GPU
+    tensor_parallel_size: int
+    dcp_size: int
+    interleave: int
+    block_size: int
+    kv_cache_dtype: str
+    max_decode_query_len: int  # 1 + speculative tokens (draft block size)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config, gpu_major: int | None) -> "DCPSetting":
+        parallel = vllm_config.parallel_config
+        hf = vllm_config.model_config.hf_text_config
+        spec = vllm_config.speculative_config
+        num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
+        return cls(
+            gpu_major=gpu_major,
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            dcp_size=parallel.decode_context_parallel_size,
+            interleave=parallel.cp_kv_cache_interleave_size,
+            block_size=vllm_config.cache_config.block_size,
+            kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+            max_decode_query_len=1 + num_spec,
+            kv_lora_rank=getattr(hf, "kv_lora_rank", 0) or 0,
+            qk_nope_head_dim=getattr(hf, "qk_nope_head_dim", 0) or 0,
+            qk_rope_head_dim=getattr(hf, "qk_rope_head_dim", 0) or 0,
+            v_head_dim=getattr(hf, "v_head_dim", 0) or 0,
+        )
+
+
+def _layout_problems(s: DCPSetting) -> list[str]:
+    problems = []
+    if s.dcp_size > 1 and s.tensor_parallel_size % s.dcp_size:
+        problems.append(
+            f"--decode-context-parallel-size (-dcp) {s.dcp_size} must divide "
+            f"--tensor-parallel-size (-tp) {s.tensor_parallel_size}: change -dcp "
+            "or -tp.")
+    if s.dcp_size > 1 and s.block_size % s.interleave:
+        problems.append(
+            f"--cp-kv-cache-interleave-size {s.interleave} must divide "
+            f"--block-size {s.block_size}: change one of the two flags.")
+    return problems
+
+
+def flashinfer_problems(s: DCPSetting) -> list[str]:
+    """Why FLASHINFER_MLA with DCP/DSpark cannot run this setting (none: [])."""
+    problems = _layout_problems(s)
+    if s.gpu_major not in (9, 10):
+        problems.append(
+            f"FLASHINFER_MLA runs on sm90 (Hopper) and sm100 (Blackwell) GPUs, "
+            f"not compute capability {s.gpu_major}.x: choose another backend "
+            "with --attention-backend.")
+    if s.gpu_major == 9 and s.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        problems.append(
+            f"FLASHINFER_MLA on sm90 reads a bf16/fp16 KV cache, not "
+            f"{s.kv_cache_dtype}: use --kv-cache-dtype auto.")
+    if s.qk_nope_head_dim not in FLASHINFER_QK_NOPE_HEAD_DIMS:
+        problems.append(
+            f"FLASHINFER_MLA needs qk_nope_head_dim in "
+            f"{FLASHINFER_QK_NOPE_HEAD_DIMS}, the model has {s.qk_nope_head_dim}: "
+            "choose another backend with --attention-backend.")
+    if (s.kv_lora_rank, s.qk_rope_head_dim) != (KV_LORA_RANK, QK_ROPE_HEAD_DIM):
+        problems.append(
+            f"FLASHINFER_MLA needs a {KV_LORA_RANK} + {QK_ROPE_HEAD_DIM} latent "
+            f"cache, the model has {s.kv_lora_rank} + {s.qk_rope_head_dim}: "
+            "choose another backend with --attention-backend.")
+    return problems
+
+
+def tokenspeed_problems(s: DCPSetting) -> list[str]:
+    """Why TOKENSPEED_MLA with DCP/DSpark cannot run this setting (none: [])."""
+    problems = _layout_problems(s)
+    if s.gpu_major != 10:
+        problems.append(
+            f"TOKENSPEED_MLA runs on sm100 (Blackwell) GPUs only, not compute "
+            f"capability {s.gpu_major}.x: use --attention-backend FLASHINFER_MLA "
+            "on Hopper.")
+    if s.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+        problems.append(
+            f"TOKENSPEED_MLA reads an fp8 KV cache only, not {s.kv_cache_dtype}: "
+            "use --kv-cache-dtype fp8.")
+    if s.max_decode_query_len > TOKENSPEED_MAX_QUERY_LEN:
+        problems.append(
+            f"TOKENSPEED_MLA decodes at most {TOKENSPEED_MAX_QUERY_LEN} query "
+            f"tokens per request, this setting needs {s.max_decode_query_len}: "
+            "set num_speculative_tokens <= "
+            f"{TOKENSPEED_MAX_QUERY_LEN - 1} in --speculative-config.")
+    dims = (s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim)
+    if dims != TOKENSPEED_HEAD_DIMS or s.kv_lora_rank != KV_LORA_RANK:
+        problems.append(
+            f"TOKENSPEED_MLA needs (qk_nope, qk_rope, v) head dims "
+            f"{TOKENSPEED_HEAD_DIMS} and kv_lora_rank {KV_LORA_RANK}, the model "
+            f"has {dims} and {s.kv_lora_rank}: choose another backend with "
+            "--attention-backend.")
+    return problems
+
+
+PROBLEMS = {FLASHINFER_MLA: flashinfer_problems, TOKENSPEED_MLA: tokenspeed_problems}
+
+
+def raise_if_unsupported(backend: str, setting: DCPSetting) -> None:
+    """Raise one ``ValueError`` listing every problem of ``setting``."""
+    problems = PROBLEMS[backend](setting)
+    if problems:
+        raise ValueError(
+            f"{backend} cannot serve this configuration:\n  - "
+            + "\n  - ".join(problems))
+
+
+def current_gpu_major() -> int | None:
+    from vllm.platforms import current_platform
+
+    capability = current_platform.get_device_capability()
+    return None if capability is None else capability.major

@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tokenspeed MLA under DCP x DSpark (sm100, fp8 KV cache).
+
+Registered over ``TOKENSPEED_MLA`` by the plugin. The Tokenspeed kernel has
+native DCP arguments, so a uniform decode batch stays fused: the causal
+verify block (``causal_mask=True``) and the non-causal DSpark draft block
+(``causal_mask=False``) run as ``[requests, q_len]`` queries with the global
+bounds (``causal_seqs``), ``cp_world``, ``cp_rank`` and ``cp_interleave_size``
+taken from the per-forward ``DCPDecodeMetadata``. A batch that is not uniform
+(CUDA-graph padding) runs as one single-token query per flattened row,
+bounded by the row's local length. The kernel's LSE is base 2; rows where
+this rank holds no KV are masked from the metadata (out 0, LSE -inf), which
+also covers rows whose per-token bound is 0 while their request's local
+length is not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
+from vllm.v1.attention.backend import AttentionLayer
+from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+from vllm.v1.attention.backends.mla.dcp_combine import (
+    mask_empty_rows_,
+    route_combine_through_rows,
+)
+from vllm.v1.attention.backends.mla.dcp_metadata import (
+    DCPDecodeBuilderMixin,
+    DCPDecodeMetadata,
+)
+from vllm.v1.attention.backends.mla.tokenspeed_mla import (
+    TokenspeedMLABackend,
+    TokenspeedMLAImpl,
+    TokenspeedMLAMetadataBuilder,
+    _get_workspace,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+
+class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetadataBuilder):
+    """Tokenspeed builder that fills the DCP rows once per forward."""
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        setting = checks.DCPSetting.from_vllm_config(vllm_config,
+                                                     checks.current_gpu_major())
+        if setting.dcp_size > 1:
+            checks.raise_if_unsupported(checks.TOKENSPEED_MLA, setting)
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+
+class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
+    """Tokenspeed decode reading the per-forward DCP metadata."""
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: MLACommonMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Absorbed-MLA decode of N query tokens over this rank's KV.
+
+        Args:
+            q: [N, H, Dv + R] fp8 queries (H: every head of the DCP group).
+            kv_c_and_k_pe_cache: [num_blocks, block_size, Dv + R] fp8 cache.
+
+        Returns:
+            ``(out [N, H, Dv], lse [N, H] float32 base 2 or None)``.
+        """
+        from tokenspeed_mla import tokenspeed_mla_decode
+
+        decode = attn_metadata.decode
+        if not isinstance(decode, DCPDecodeMetadata):
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        num_tokens, num_heads = q.shape[0], q.shape[1]
+        num_reqs = attn_metadata.num_decodes
+        if self.softmax_scale is None:
+            self.softmax_scale = self.scale * layer._q_scale_float * layer._k_scale_float
+            self.output_scale = layer._k_scale_float
+
+        uniform = num_tokens == num_reqs * decode.max_query_len
+        if uniform:
+            query = q.view(num_reqs, decode.max_query_len, num_heads, q.shape[-1])
+            rows_args = dict(
+                block_tables=decode.block_table,
+                seq_lens=decode.seq_lens,
+                causal_mask=decode.causal,
+                causal_seqs=decode.dcp_tot_seq_lens,
+                cp_world=decode.dcp_world_size,
+                cp_rank=decode.dcp_rank,
+                cp_interleave_size=decode.interleave,
+            )
+        else:
+            rows = decode.flat
+            query = q.unsqueeze(1)
+            rows_args = dict(
+                block_tables=rows.block_table[:num_tokens],
+                seq_lens=rows.seq_lens[:num_tokens],
+                causal_mask=False,
+            )
+        out, lse = tokenspeed_mla_decode(
+            query=query,
+            kv_cache=kv_c_and_k_pe_cache,
+            workspace_buffer=_get_workspace(q.device, num_heads, self.kv_lora_rank,
+                                            self._min_split_kv,
+                                            self._max_decode_tokens),
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            max_seq_len=attn_metadata.max_seq_len,
+            softmax_scale=self.softmax_scale,
+            output_scale=self.output_scale,
+            enable_pdl=False,
+            return_lse=True,
+            min_split_kv=self._min_split_kv,
+            **rows_args,
+        )
+        out = out.view(num_tokens, num_heads, -1)
+        lse = lse.view(num_tokens, num_heads)
+        mask_empty_rows_(out, lse, decode.flat)
+        if self.dcp_world_size > 1:
+            route_combine_through_rows(layer)
+        return out, (lse if self.need_to_return_lse_for_decode else None)
+
+
+class TokenspeedDCPMLABackend(TokenspeedMLABackend):
+    """``TOKENSPEED_MLA`` reading the per-forward DCP metadata; sm100 only."""
+
+    @staticmethod
+    def get_impl_cls() -> type[TokenspeedDCPMLAImpl]:
+        return TokenspeedDCPMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TokenspeedDCPMLAMetadataBuilder]:
+        return TokenspeedDCPMLAMetadataBuilder
