@@ -3,8 +3,10 @@
 
 Times ``dcp_decode.merge_partials`` (torch) and a fused Triton merge (one
 pass: read W partial outputs and LSEs, write the merged output and LSE) over
-rows x heads x W, and compares with one layer's attention (FlashInfer sm90
-MLA, rank-local KV, flattened rows) at batch 64, ctx 32K, W = 8, q_len 4.
+rows x heads x W, all heads on one device and, as after an all-to-all over
+heads, H / W heads per rank; compares with one layer's attention (FlashInfer
+sm90 MLA, rank 0's local KV, grouped rows) at batch 64, ctx 32K, W = 8,
+q_len 4.
 Local merge only: the all-to-all / all-gather that brings the partials
 together is not timed. The Triton merge is checked against merge_partials.
 
@@ -104,18 +106,27 @@ def main():
         assert err < 2e-2 and lerr < 1e-4, (err, lerr)
         t_torch = time_ms(lambda: merge_partials(outs, lses))
         t_triton = time_ms(lambda: merge_partials_triton(outs, lses))
+        # After an all-to-all over heads each rank merges only H / W heads.
+        per_rank = max(heads // world, 1)
+        outs_r = outs[:, :, :per_rank].contiguous()
+        lses_r = lses[:, :, :per_rank].contiguous()
+        t_rank = time_ms(lambda: merge_partials_triton(outs_r, lses_r))
         bytes_moved = outs.numel() * 2 + lses.numel() * 4 + n * heads * (512 * 2 + 4)
         rows.append(dict(batch=batch, rows=n, heads=heads, W=world,
                          torch_us=t_torch * 1e3, triton_us=t_triton * 1e3,
+                         triton_rank_heads=per_rank,
+                         triton_rank_us=t_rank * 1e3,
                          triton_TBps=bytes_moved / (t_triton * 1e-3) / 1e12,
                          max_err=err))
-        del outs, lses
+        del outs, lses, outs_r, lses_r
     layer = {}
     try:
         sys.path.insert(0, os.path.dirname(__file__))
         from metadata import layer_decode_ms
         for heads in args.heads:
-            layer[heads] = layer_decode_ms(64, 32768, heads, 8, args.q_len) * 1e3
+            # Grouped rows: the faster (so stricter) layer reference.
+            layer[heads] = layer_decode_ms(64, 32768, heads, 8, args.q_len,
+                                           grouped=True) * 1e3
     except Exception as e:  # noqa: BLE001 - no flashinfer / no GPU
         print(f"(no flashinfer: no layer reference: {e})")
     for r in rows:
@@ -123,10 +134,13 @@ def main():
             r["layer_us_b64_ctx32k_W8"] = layer[r["heads"]]
             r["torch_pct_of_layer"] = 100 * r["torch_us"] / layer[r["heads"]]
             r["triton_pct_of_layer"] = 100 * r["triton_us"] / layer[r["heads"]]
+            r["triton_rank_pct_of_layer"] = (100 * r["triton_rank_us"]
+                                             / layer[r["heads"]])
     os.makedirs(args.out_dir, exist_ok=True)
     write_csv(os.path.join(args.out_dir, "combine.csv"), rows)
     print_table(rows, ["batch", "rows", "heads", "W", "torch_us", "triton_us",
-                       "triton_TBps", "torch_pct_of_layer", "triton_pct_of_layer"])
+                       "triton_TBps", "torch_pct_of_layer", "triton_pct_of_layer",
+                       "triton_rank_us", "triton_rank_pct_of_layer"])
 
     import matplotlib
     matplotlib.use("Agg")

@@ -31,7 +31,7 @@ from _common import environment, print_table, time_ms, write_csv  # noqa: E402
 from vllm.v1.attention.ops.dcp_decode import (  # noqa: E402
     alloc_flat_decode, build_flat_decode, dcp_local_seq_lens)
 from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
-    build_flat_decode_triton)
+    alloc_grouped_decode, build_flat_decode_triton, build_grouped_decode)
 
 
 def upstream_expand(seq_lens, qsl, block_table, *, world_size, rank,
@@ -49,8 +49,8 @@ def upstream_expand(seq_lens, qsl, block_table, *, world_size, rank,
     return table, local, empty
 
 
-def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
-    """One FlashInfer sm90 layer on rank 0's local KV, flattened rows."""
+def layer_decode_ms(batch, ctx, heads, world, q_len, page=64, grouped=False):
+    """One FlashInfer sm90 layer on rank 0's local KV (flat or grouped rows)."""
     from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
     gen = torch.Generator().manual_seed(0)
     local = int(dcp_local_seq_lens(torch.tensor(ctx), world, 0, 1))
@@ -67,7 +67,11 @@ def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=page,
                             sm_scale=1 / math.sqrt(192))
-    mla.plan_flat(flat)
+    if grouped:
+        mla.plan_grouped(build_grouped_decode(flat, qsl, table),
+                         num_tokens=batch * q_len)
+    else:
+        mla.plan_flat(flat)
     q = torch.randn(batch * q_len, heads, 576, device="cuda",
                     dtype=torch.bfloat16)
     out = q.new_empty(batch * q_len, heads, 512)
@@ -109,11 +113,19 @@ def main():
             seq, qsl, table, **kw, causal=True, num_rows=n, out=out_t))
         t_torch = time_ms(lambda: build_flat_decode(
             seq, qsl, table, **kw, causal=True, num_rows=n, out=out_p))
+        out_g = alloc_grouped_decode(n, cols, "cuda")
+
+        def flat_and_grouped():
+            build_flat_decode_triton(seq, qsl, table, **kw, causal=True,
+                                     num_rows=n, out=out_t)
+            build_grouped_decode(out_t.slice(n), qsl, table, out=out_g)
+        t_grouped = time_ms(flat_and_grouped)
         # Sanity: both produced the same rows.
         assert torch.equal(out_t.seq_lens, out_p.seq_lens)
         assert torch.equal(out_t.block_table, out_p.block_table)
         row = dict(batch=batch, q_len=q_len, W=world, cols=cols, rows=n,
-                   triton_us=t_triton * 1e3, torch_us=t_torch * 1e3)
+                   triton_us=t_triton * 1e3, torch_us=t_torch * 1e3,
+                   triton_grouped_us=t_grouped * 1e3)
         for layers in args.layers:
             def per_layer(layers=layers):
                 for _ in range(layers):
@@ -124,7 +136,8 @@ def main():
         rows.append(row)
     os.makedirs(args.out_dir, exist_ok=True)
     write_csv(os.path.join(args.out_dir, "metadata.csv"), rows)
-    cols = ["batch", "q_len", "W", "rows", "triton_us", "torch_us",
+    cols = ["batch", "q_len", "W", "rows", "triton_us", "triton_grouped_us",
+            "torch_us",
             "torch_over_triton"] + [c for L in args.layers
                                     for c in (f"upstream_x{L}_us", f"ratio_x{L}")]
     print_table(rows, cols)
@@ -133,15 +146,19 @@ def main():
     layer_rows = []
     try:
         for heads, world in itertools.product([16, 96], [8, 1]):
-            ms = layer_decode_ms(64, 32768, heads, world, 4, page=args.page)
             meta = next((r for r in rows if r["batch"] == 64 and r["q_len"] == 4
                          and r["W"] == world), None)
-            layer_rows.append(dict(
-                heads=heads, W=world, layer_us=ms * 1e3,
-                triton_us=meta["triton_us"] if meta else float("nan"),
-                pct_of_layer=100 * meta["triton_us"] / (ms * 1e3) if meta else float("nan")))
+            for grouped in (False, True):
+                ms = layer_decode_ms(64, 32768, heads, world, 4, page=args.page,
+                                     grouped=grouped)
+                build = meta["triton_grouped_us" if grouped else "triton_us"]
+                layer_rows.append(dict(
+                    heads=heads, W=world, rows="grouped" if grouped else "flat",
+                    layer_us=ms * 1e3, build_us=build,
+                    pct_of_layer=100 * build / (ms * 1e3)))
         print("\nmetadata build (batch 64, q_len 4) vs one layer decode (ctx 32K, rank 0):")
-        print_table(layer_rows, ["heads", "W", "layer_us", "triton_us", "pct_of_layer"])
+        print_table(layer_rows, ["heads", "W", "rows", "layer_us", "build_us",
+                                 "pct_of_layer"])
         write_csv(os.path.join(args.out_dir, "metadata_vs_layer.csv"), layer_rows)
     except Exception as e:  # noqa: BLE001 - no flashinfer / no GPU
         print(f"(no flashinfer: skipping the layer reference: {e})")
