@@ -76,7 +76,8 @@ def served_model_name(base_url: str, timeout: float = 10.0) -> str:
 def lm_eval_command(*, base_url: str, model: str, tokenizer: str,
                     include_path: str | os.PathLike, output_path: str | os.PathLike,
                     num_fewshot: int, limit: int | None, num_concurrent: int,
-                    max_gen_toks: int | None, seed: int) -> list[str]:
+                    max_gen_toks: int | None, seed: int,
+                    log_samples: bool = False) -> list[str]:
     """The ``lm-eval run`` command line for one gsm8k evaluation."""
     model_args = ",".join([
         f"model={model}",
@@ -99,6 +100,8 @@ def lm_eval_command(*, base_url: str, model: str, tokenizer: str,
         cmd += ["--limit", str(limit)]
     if max_gen_toks is not None:
         cmd += ["--gen_kwargs", f"max_gen_toks={max_gen_toks}"]
+    if log_samples:
+        cmd += ["--log_samples"]
     return cmd
 
 
@@ -121,12 +124,22 @@ def read_scores(output_path: str | os.PathLike) -> dict:
     return scores
 
 
+def read_samples(output_path: str | os.PathLike) -> list[dict]:
+    """Per-problem records lm-eval wrote with ``--log_samples``."""
+    files = sorted(Path(output_path).rglob(f"samples_{TASK_NAME}_*.jsonl"),
+                   key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"lm-eval wrote no samples under {output_path}")
+    return [json.loads(line) for line in files[-1].read_text().splitlines()
+            if line.strip()]
+
+
 def run_gsm8k(*, base_url: str, data_dir: str | os.PathLike,
               model: str | None = None, tokenizer: str | None = None,
               num_fewshot: int = 5, limit: int | None = None,
               num_concurrent: int = 8, max_gen_toks: int | None = None,
               seed: int = 1234, output_path: str | os.PathLike | None = None,
-              timeout: float | None = None) -> dict:
+              log_samples: bool = False, timeout: float | None = None) -> dict:
     """Run lm-eval gsm8k against ``base_url``; lm-eval's output goes to stdout.
 
     Returns:
@@ -143,7 +156,7 @@ def run_gsm8k(*, base_url: str, data_dir: str | os.PathLike,
             base_url=base_url, model=model, tokenizer=tokenizer,
             include_path=task_dir, output_path=out, num_fewshot=num_fewshot,
             limit=limit, num_concurrent=num_concurrent,
-            max_gen_toks=max_gen_toks, seed=seed)
+            max_gen_toks=max_gen_toks, seed=seed, log_samples=log_samples)
         env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                    TOKENIZERS_PARALLELISM="false")
         start = time.perf_counter()
@@ -173,13 +186,16 @@ def main() -> None:
                         help="generation cap (default: the task's 256)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--output-path", help="keep lm-eval's results here")
+    parser.add_argument("--log-samples", action="store_true",
+                        help="also keep every prompt and response "
+                             "(with --output-path)")
     args = parser.parse_args()
     scores = run_gsm8k(
         base_url=args.base_url, data_dir=args.data_dir, model=args.model,
         tokenizer=args.tokenizer, num_fewshot=args.num_fewshot,
         limit=args.limit, num_concurrent=args.num_concurrent,
         max_gen_toks=args.max_gen_toks, seed=args.seed,
-        output_path=args.output_path)
+        output_path=args.output_path, log_samples=args.log_samples)
     print(json.dumps({"gsm8k": scores}), flush=True)
 
 

@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The serve launcher and the gsm8k runner (benchmarks/), on CPU.
+
+The fast tests check the command lines, the rendered lm-eval task and the
+results parsing. The engine test starts a real CPU ``vllm serve -tp 2 -dcp 2``
+of the tiny random MLA model through ``benchmarks/serve_dcp_dspark.py``, runs
+``benchmarks/gsm8k.py`` (lm-eval ``local-completions``, 5-shot, 5 problems of
+the committed GSM8K slice) against it and stops it. The tiny model's score is
+meaningless; the pipeline is what is tested.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gsm8k  # noqa: E402
+import serve_dcp_dspark as serve  # noqa: E402
+
+GSM8K_SLICE = REPO / "tests" / "data" / "gsm8k"
+
+
+def test_gsm8k_slice_is_complete():
+    rows = [json.loads(line) for line in
+            (GSM8K_SLICE / "test.jsonl").read_text().splitlines()]
+    train = (GSM8K_SLICE / "train.jsonl").read_text().splitlines()
+    assert len(rows) == 20 and len(train) == 10
+    assert all("#### " in row["answer"] and row["question"] for row in rows)
+    assert "MIT License" in (GSM8K_SLICE / "LICENSE").read_text()
+
+
+def test_task_renders_with_local_data(tmp_path):
+    task_file = gsm8k.write_task_dir(GSM8K_SLICE, tmp_path)
+    text = task_file.read_text()
+    assert f'test: "{GSM8K_SLICE.resolve()}/test.jsonl"' in text
+    assert f'include: "{gsm8k.lm_eval_gsm8k_yaml()}"' in text
+    assert "{" not in text.replace("{{", "")  # every placeholder filled
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        gsm8k.write_task_dir(tmp_path / "nowhere", tmp_path / "out")
+
+
+def test_lm_eval_accepts_rendered_task(tmp_path):
+    gsm8k.write_task_dir(GSM8K_SLICE, tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "validate", "--tasks",
+         gsm8k.TASK_NAME, "--include_path", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+        env={"HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "valid" in proc.stdout + proc.stderr
+
+
+def test_lm_eval_command():
+    cmd = gsm8k.lm_eval_command(
+        base_url="http://h:1/v1", model="m", tokenizer="/tok",
+        include_path="/inc", output_path="/out", num_fewshot=5, limit=7,
+        num_concurrent=3, max_gen_toks=16, seed=1, log_samples=True)
+    assert cmd[:4] == [sys.executable, "-m", "lm_eval", "run"]
+    args = dict(zip(cmd[4::2], cmd[5::2]))
+    assert args["--model"] == "local-completions"
+    assert args["--tasks"] == "gsm8k_local" and args["--num_fewshot"] == "5"
+    assert args["--limit"] == "7" and args["--gen_kwargs"] == "max_gen_toks=16"
+    model_args = dict(kv.split("=", 1) for kv in args["--model_args"].split(","))
+    assert model_args["base_url"] == "http://h:1/v1/completions"
+    assert model_args["tokenizer"] == "/tok" and model_args["num_concurrent"] == "3"
+    assert cmd[-1] == "--log_samples"
+
+
+def test_read_scores(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "results_2026.json").write_text(json.dumps({
+        "results": {"gsm8k_local": {
+            "alias": "gsm8k_local",
+            "exact_match,strict-match": 0.25,
+            "exact_match_stderr,strict-match": 0.1,
+            "exact_match,flexible-extract": 0.5,
+            "exact_match_stderr,flexible-extract": 0.2}},
+        "n-samples": {"gsm8k_local": {"original": 20, "effective": 4}}}))
+    scores = gsm8k.read_scores(tmp_path)
+    assert scores == {"strict-match": 0.25, "strict-match_stderr": 0.1,
+                      "flexible-extract": 0.5, "flexible-extract_stderr": 0.2,
+                      "n_samples": 4}
+
+
+def test_server_command_with_dspark():
+    cmd = serve.server_command(
+        model="/t", tp=8, dcp=8, interleave=64, draft="/d", num_spec=4,
+        attention_backend="FLASHINFER_MLA",
+        draft_attention_backend="TOKENSPEED_MLA", kv_cache_dtype="fp8",
+        port=9000, extra_args=["--enforce-eager"])
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    args = dict(zip(cmd[3:-1:2], cmd[4:-1:2]))
+    assert args["-tp"] == "8" and args["-dcp"] == "8"
+    assert args["--cp-kv-cache-interleave-size"] == "64"
+    assert args["--attention-backend"] == "FLASHINFER_MLA"
+    assert args["--kv-cache-dtype"] == "fp8" and args["--port"] == "9000"
+    assert json.loads(args["--speculative-config"]) == {
+        "method": "dspark", "model": "/d", "num_speculative_tokens": 4,
+        "attention_backend": "TOKENSPEED_MLA"}
+    assert cmd[-1] == "--enforce-eager"
+    plain = serve.server_command(model="/t")
+    assert "--speculative-config" not in plain
+    with pytest.raises(ValueError):
+        serve.server_command(model="/t", num_spec=4)
+
+
+def test_cpu_server_env_binds_one_core_set_per_rank(monkeypatch):
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: 4)
+    assert serve.cpu_server_env(2)["VLLM_CPU_OMP_THREADS_BIND"] == "0,1|2,3"
+    monkeypatch.setattr(serve.os, "cpu_count", lambda: 2)
+    assert serve.cpu_server_env(2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert serve.cpu_server_env(1)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_server_start_fails_fast_on_a_dead_server(tmp_path):
+    bad = serve.VllmServer([sys.executable, "-c", "import sys; sys.exit(3)"],
+                           port=1, log_path=tmp_path / "log", ready_timeout=30)
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        bad.start()
+
+
+@pytest.mark.engine
+def test_gsm8k_runner_against_cpu_tp2_dcp2_server(tmp_path, capfd):
+    """lm-eval gsm8k 5-shot through a CPU ``-tp 2 -dcp 2`` tiny-MLA server."""
+    from tiny_mla import build_tiny_mla_checkpoint
+
+    model = build_tiny_mla_checkpoint(tmp_path / "tiny-mla")
+    port = 8000 + (hash(str(tmp_path)) % 1000)
+    command = serve.server_command(
+        model=str(model), tp=2, dcp=2, port=port,
+        extra_args=["--dtype", "float32", "--enforce-eager",
+                    "--max-model-len", "2048", "--block-size", "16",
+                    "--max-num-seqs", "8"])
+    log = tmp_path / "server.log"
+    server = serve.VllmServer(command, port=port, env=serve.cpu_server_env(2),
+                              log_path=log, ready_timeout=300)
+    with server:
+        scores = gsm8k.run_gsm8k(
+            base_url=server.base_url, data_dir=GSM8K_SLICE, limit=5,
+            max_gen_toks=32, num_concurrent=5, output_path=tmp_path / "eval",
+            log_samples=True, timeout=400)
+    assert server.process.returncode is not None  # stopped
+    out = capfd.readouterr().out
+    assert "|gsm8k_local|" in out and "strict-match" in out  # lm-eval's table
+    assert scores["n_samples"] == 5
+    assert 0.0 <= scores["strict-match"] <= 1.0
+    samples = gsm8k.read_samples(tmp_path / "eval")  # one per doc and filter
+    assert sorted({s["doc_id"] for s in samples}) == [0, 1, 2, 3, 4]
+    # Every problem got a generated continuation from the server.
+    assert all(s["resps"][0][0].strip() for s in samples)
+    # 5-shot prompts: each carries five solved train problems.
+    assert all(s["arguments"]["gen_args_0"]["arg_0"].count("#### ") == 5
+               for s in samples)
+    server_log = log.read_text()
+    assert "decode_context_parallel_size=2" in server_log
+    assert "Worker_TP1_DCP1" in server_log
