@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonMetadata,
     MLACommonMetadataBuilder,
@@ -81,8 +81,6 @@ class CPUDCPMLAImpl(CPUMLAImpl):
         # overwrites the size with 1.
         dcp_world_size, dcp_rank = self.dcp_world_size, self.dcp_rank
         super().__init__(*args, **kwargs)
-        from vllm.config import get_current_vllm_config
-
         parallel_config = get_current_vllm_config().parallel_config
         self.dcp_world_size = dcp_world_size
         self.dcp_rank = dcp_rank
