@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tiny_dspark import (build_tiny_dspark_checkpoint, tiny_dspark_config,
-                         tiny_dspark_weight_shapes)
+from tiny_dspark import (bigram_successors, build_tiny_dspark_checkpoint,
+                         tiny_dspark_config, tiny_dspark_weight_shapes)
 from tiny_mla import build_tiny_mla_checkpoint
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -34,6 +34,16 @@ def checkpoints(tmp_path_factory):
     target = build_tiny_mla_checkpoint(root / "target")
     draft = build_tiny_dspark_checkpoint(root / "draft", target)
     return target, draft
+
+
+# A Markov head set to these successors (the rest of the vocabulary: none).
+SUCCESSORS = {5: 9, 9: 5, 100: 7}
+
+
+def test_bigram_successors():
+    assert bigram_successors([[1, 2, 3, 2, 3, 2, 4], [5, 5]]) == {
+        1: 2, 2: 3, 3: 2, 5: 5}
+    assert bigram_successors([[7, 1, 7, 2]]) == {7: 1, 1: 7}  # tie: lower id
 
 
 def test_build_is_deterministic(checkpoints, tmp_path):
@@ -122,14 +132,18 @@ def test_speculative_config_validates_against_target(checkpoints):
     assert get_eagle3_aux_layers_from_config(spec) == (1, 2)
 
 
-def test_vllm_draft_class_loads_every_weight(checkpoints):
-    """vLLM's K3DSparkForCausalLM, built on CPU, takes the whole checkpoint.
+def test_vllm_draft_class_loads_every_weight(checkpoints, tmp_path):
+    """vLLM's K3DSparkForCausalLM, built on CPU, takes the whole checkpoint,
+    and its Markov bias favours exactly the successors the head was set to.
 
     Runs in a subprocess: it initialises torch.distributed. Plugins are off
     there (VLLM_PLUGINS=""): this checks the checkpoint against stock vLLM,
     not this project's overlay.
     """
-    target, draft = checkpoints
+    target, _ = checkpoints
+    draft = build_tiny_dspark_checkpoint(
+        tmp_path / "markov", target, markov_successors=SUCCESSORS,
+        markov_gain=20.0)
     env = dict(os.environ, VLLM_PLUGINS="")
     proc = subprocess.run(
         [sys.executable, str(TESTS_DIR / "tiny_dspark.py"), str(target),
@@ -142,3 +156,8 @@ def test_vllm_draft_class_loads_every_weight(checkpoints):
     assert len(result["params"]) == 26  # 2 layers x 10 + 6 model-level
     assert "model.context_kv_proj.weight" in result["loaded"]
     assert result["context_kv_stacked"] and result["fused_qkv_a_stacked"]
+    for prev, nxt in SUCCESSORS.items():
+        assert result["markov_argmax"][prev] == nxt
+        assert result["markov_max"][prev] == pytest.approx(20.0)
+    others = [m for i, m in enumerate(result["markov_max"]) if i not in SUCCESSORS]
+    assert max(others) == 0.0  # no bias after any other token

@@ -169,9 +169,18 @@ def tiny_dspark_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def tiny_dspark_weights(config: dict, seed: int, init_std: float
-                        ) -> dict[str, torch.Tensor]:
-    """Seeded float32 weights: norms 1, matrices ~ N(0, init_std^2 * 256/fan_in)."""
+def tiny_dspark_weights(config: dict, seed: int, init_std: float,
+                        markov_successors: dict[int, int] | None = None,
+                        markov_gain: float = 20.0) -> dict[str, torch.Tensor]:
+    """Seeded float32 weights: norms 1, matrices ~ N(0, init_std^2 * 256/fan_in).
+
+    With ``markov_successors`` (prev token -> next token) the Markov head is
+    set, not drawn: its bias adds ``markov_gain`` to the logit of
+    ``markov_successors[prev]`` after ``prev`` and nothing elsewhere (rank =
+    vocabulary: ``markov_w1`` one-hot rows, ``markov_w2[next]`` the one-hot
+    rows of every ``prev`` it follows), so the draft proposes the target's
+    usual successor and its acceptance rate is far from chance.
+    """
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in sorted(tiny_dspark_weight_shapes(config).items()):
@@ -182,7 +191,30 @@ def tiny_dspark_weights(config: dict, seed: int, init_std: float
         if "markov_w1" not in name:  # an embedding table has no fan-in
             std = init_std * (256 / shape[1]) ** 0.5
         weights[name] = torch.randn(shape, generator=gen) * std
+    if markov_successors is not None:
+        vocab, rank = config["vocab_size"], config["markov_rank"]
+        if rank != vocab:
+            raise ValueError("a set Markov head needs markov_rank == vocab_size")
+        scale = markov_gain ** 0.5
+        w1 = torch.zeros(vocab, rank)
+        w2 = torch.zeros(vocab, rank)
+        for prev, nxt in markov_successors.items():
+            w1[prev, prev] = scale
+            w2[nxt, prev] = scale
+        weights["markov_head.markov_w1.weight"] = w1
+        weights["markov_head.markov_w2.weight"] = w2
     return weights
+
+
+def bigram_successors(sequences: list[list[int]]) -> dict[int, int]:
+    """Each token's most frequent successor in ``sequences`` (ties: lowest id)."""
+    counts: dict[int, dict[int, int]] = {}
+    for seq in sequences:
+        for prev, nxt in zip(seq, seq[1:]):
+            row = counts.setdefault(prev, {})
+            row[nxt] = row.get(nxt, 0) + 1
+    return {prev: min(row, key=lambda t: (-row[t], t))
+            for prev, row in sorted(counts.items())}
 
 
 def build_tiny_dspark_checkpoint(
@@ -193,6 +225,8 @@ def build_tiny_dspark_checkpoint(
     block_size: int = 4,
     target_layer_ids: list[int] | None = None,
     markov_rank: int = 32,
+    markov_successors: dict[int, int] | None = None,
+    markov_gain: float = 20.0,
     seed: int = 1,
     init_std: float = 0.08,
     overwrite: bool = False,
@@ -202,7 +236,10 @@ def build_tiny_dspark_checkpoint(
     Deterministic for a given set of arguments, target config and torch
     version; reuses an existing checkpoint built with the same arguments
     unless ``overwrite``. The target's tokenizer files are copied so the
-    draft directory is a self-contained HF checkpoint.
+    draft directory is a self-contained HF checkpoint. ``markov_successors``
+    (e.g. ``bigram_successors`` of the target's own greedy outputs) sets the
+    Markov head instead of drawing it (``markov_rank`` becomes the vocabulary
+    size; see ``tiny_dspark_weights``).
 
     Returns:
         ``Path(path)``.
@@ -213,17 +250,23 @@ def build_tiny_dspark_checkpoint(
 
     path, target_path = Path(path), Path(target_path)
     target_config = json.loads((target_path / "config.json").read_text())
+    if markov_successors is not None:
+        markov_successors = {int(k): int(v) for k, v in markov_successors.items()}
+        markov_rank = target_config["vocab_size"]
     config = tiny_dspark_config(
         target_config, num_layers=num_layers, block_size=block_size,
         target_layer_ids=target_layer_ids, markov_rank=markov_rank)
     stamp = dict(version=TINY_DSPARK_VERSION, seed=seed, init_std=init_std,
-                 config=config)
+                 config=config, markov_gain=markov_gain,
+                 markov_successors=([[k, v] for k, v in sorted(markov_successors.items())]
+                                    if markov_successors is not None else None))
     stamp_file = path / "tiny_dspark.json"
     if (not overwrite and stamp_file.exists()
             and json.loads(stamp_file.read_text()) == stamp):
         return path
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tiny_dspark_weights(config, seed, init_std),
+    save_file(tiny_dspark_weights(config, seed, init_std, markov_successors,
+                                  markov_gain),
               str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2,
                                                  sort_keys=True))
@@ -248,8 +291,11 @@ def check_draft_loads(target_path: str | os.PathLike,
     Returns:
         ``{"params": [...], "loaded": [...], "missing": [...],
         "unexpected": [...], "context_kv_stacked": bool,
-        "fused_qkv_a_stacked": bool}`` where the last two say whether the
-        fused projections hold the checkpoint's per-layer tensors.
+        "fused_qkv_a_stacked": bool, "markov_argmax": [...],
+        "markov_max": [...]}``: the two booleans say whether the fused
+        projections hold the checkpoint's per-layer tensors; the lists are,
+        for each previous token id, the id vLLM's Markov bias favours most
+        and that bias.
     """
     import tempfile
 
@@ -277,6 +323,12 @@ def check_draft_loads(target_path: str | os.PathLike,
         model = K3DSparkForCausalLM(vllm_config=vllm_config)
         loaded = model.load_weights(iter(weights.items()))
         model.process_weights_after_loading()
+        # Ready the Markov head's CPU GEMM as vLLM's loader would.
+        markov_w2 = model.model.markov_head.markov_w2
+        markov_w2.quant_method.process_weights_after_loading(markov_w2)
+        with torch.no_grad():
+            vocab = torch.arange(model.config.vocab_size)
+            bias = model.markov_bias(model.markov_embed(vocab))
     params = {name for name, _ in model.named_parameters()}
     inner = model.model
     kv_a = [weights[f"layers.{i}.self_attn.kv_a_proj_with_mqa.weight"]
@@ -294,6 +346,8 @@ def check_draft_loads(target_path: str | os.PathLike,
             torch.equal(layer.self_attn.fused_qkv_a_proj.weight,
                         torch.cat([q, kv]))
             for layer, q, kv in zip(inner.layers, q_a, kv_a)),
+        markov_argmax=bias.argmax(dim=-1).tolist(),
+        markov_max=bias.max(dim=-1).values.tolist(),
     )
 
 
@@ -304,6 +358,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--markov-from", help="JSON list of token-id lists "
+                        "(e.g. the target's greedy outputs): set the Markov "
+                        "head to their bigram successors")
     parser.add_argument("--check-load", action="store_true",
                         help="only load OUT_DIR into vLLM's draft class on "
                              "CPU and print the result as JSON")
@@ -312,9 +369,13 @@ def main() -> None:
         print(json.dumps(check_draft_loads(args.target_dir, args.out_dir)),
               flush=True)
         return
+    successors = None
+    if args.markov_from:
+        successors = bigram_successors(json.loads(Path(args.markov_from).read_text()))
     print(build_tiny_dspark_checkpoint(
         args.out_dir, args.target_dir, num_layers=args.layers,
-        block_size=args.block_size, seed=args.seed, overwrite=True))
+        block_size=args.block_size, seed=args.seed,
+        markov_successors=successors, overwrite=True))
 
 
 if __name__ == "__main__":

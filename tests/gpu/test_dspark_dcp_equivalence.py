@@ -8,7 +8,10 @@ keeps the target's greedy tokens whatever the draft proposes, so any
 difference is a target-side error (the causal verification of the drafted
 block under DCP). The draft side is watched through the acceptance rate,
 compared with the same draft at TP=1 without DCP: a draft whose KV slots
-ignore DCP reads the wrong context and its acceptance collapses.
+ignore DCP reads the wrong context and its acceptance collapses. The random
+draft's Markov head is set to the target's bigram successors (from its own
+greedy continuations), so acceptance is far from chance; its backbone stays
+random, so draft-side errors move acceptance less than a trained draft's.
 
 Prompts of 5 to 300 tokens plus 48 generated ones cross several KV blocks
 (64 tokens) and DCP interleave boundaries on every rank.
@@ -36,8 +39,9 @@ import pytest
 GPU_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(GPU_DIR.parent))
 
-from tiny_dspark import build_tiny_dspark_checkpoint  # noqa: E402
-from tiny_mla import build_tiny_mla_checkpoint  # noqa: E402
+from tiny_dspark import (bigram_successors,  # noqa: E402
+                         build_tiny_dspark_checkpoint)
+from tiny_mla import build_tiny_mla_checkpoint, hf_greedy  # noqa: E402
 
 PROMPT_LENGTHS = (5, 63, 64, 65, 130, 200, 300)
 MAX_TOKENS = 48
@@ -70,9 +74,17 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("dspark_gpu")
     # 16 heads: divisible by every TP size tested (2 per rank at TP 8).
     target = build_tiny_mla_checkpoint(root / "target", num_heads=16)
-    draft = build_tiny_dspark_checkpoint(root / "draft", target)
+    prompts = make_prompts()
+    # The draft's Markov head proposes each token's usual successor in the
+    # target's own greedy continuations (transformers, float32, on CPU), so
+    # acceptance sits far above chance and can visibly collapse.
+    continuations = hf_greedy(target, prompts, MAX_TOKENS)
+    successors = bigram_successors(
+        [p[-1:] + c for p, c in zip(prompts, continuations)])
+    draft = build_tiny_dspark_checkpoint(root / "draft", target,
+                                         markov_successors=successors)
     prompts_file = root / "prompts.json"
-    prompts_file.write_text(json.dumps(make_prompts()))
+    prompts_file.write_text(json.dumps(prompts))
     return target, draft, prompts_file
 
 
