@@ -5,6 +5,9 @@ For each point (heads H, batch, global context, mode, DCP size W) and for
 ranks 0 and W-1 (rank 0 holds the most KV, so it bounds the step), times
   flat     one non-causal row per query token (FlatDecode),
   grouped  one non-causal row per group of tokens with equal local bound,
+  prefix   one non-causal segment per request over the request's first local
+           bound, plus a Triton kernel for each token's <= q_len-1 tail keys
+           and the merge (time includes that kernel and nothing else extra),
   native   FlashInfer's own multi-token decode over the same local KV, one
            segment per request (causal for verify, non-causal for a draft);
            at W = 1 this is plain no-DCP decode. FlashInfer's FA3 planner
@@ -105,7 +108,7 @@ def main():
             times = {}
             mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE,
                                     sm_scale=scale)
-            variants = ["flat", "grouped", "native"]
+            variants = ["flat", "grouped", "prefix", "native"]
             if causal:
                 variants.append("native_nc")
             for variant in variants:
@@ -114,12 +117,18 @@ def main():
                         mla.plan_flat(flat)
                     elif variant == "grouped":
                         mla.plan_grouped(grouped, num_tokens=n)
+                    elif variant == "prefix":
+                        mla.plan_causal_prefix(flat, qsl)
                     else:
                         mla.plan_requests(qsl, local_d, table,
                                           causal=variant == "native" and causal)
-                    run = lambda: mla._wrapper.run(query=q, kv_cache=cache,
-                                                   out=out, lse=lse,
-                                                   return_lse=True)
+                    if variant == "prefix":
+                        # Prefix segments + the Triton tail/merge kernel.
+                        run = lambda: mla.run(q, cache, out=out, lse=lse)
+                    else:
+                        run = lambda: mla._wrapper.run(query=q, kv_cache=cache,
+                                                       out=out, lse=lse,
+                                                       return_lse=True)
                     times[variant] = time_ms(run, rep=args.rep)
                 except Exception as e:  # noqa: BLE001 - e.g. unsupported plan
                     msg = str(e).splitlines()[0][:200]
@@ -141,6 +150,7 @@ def main():
                        rank=rank, groups=int(grouped.num_groups), rows=n,
                        flat_us=times["flat"] * 1e3,
                        grouped_us=times["grouped"] * 1e3,
+                       prefix_us=times["prefix"] * 1e3,
                        native_us=times["native"] * 1e3,
                        native_nc_us=times["native_nc"] * 1e3,
                        baseline="native" if times["native"] == times["native"]
@@ -148,6 +158,7 @@ def main():
                        baseline_us=base * 1e3,
                        flat_over_base=times["flat"] / base,
                        grouped_over_base=times["grouped"] / base,
+                       prefix_over_base=times["prefix"] / base,
                        base_TBps=kv_bytes / (base * 1e-3) / 1e12,
                        grouped_TBps=kv_bytes / (times["grouped"] * 1e-3) / 1e12)
             row["grouped_bw_frac"] = row["grouped_TBps"] / copy_tbs
@@ -158,9 +169,10 @@ def main():
     write_csv(os.path.join(args.out_dir, "decode.csv"), rows)
     print(f"copy rate (read+write): {copy_tbs:.2f} TB/s")
     print_table(rows, ["heads", "batch", "ctx", "mode", "W", "rank", "groups",
-                       "flat_us", "grouped_us", "native_us", "native_nc_us",
-                       "baseline",
-                       "flat_over_base", "grouped_over_base", "base_TBps",
+                       "flat_us", "grouped_us", "prefix_us", "native_us",
+                       "native_nc_us", "baseline",
+                       "flat_over_base", "grouped_over_base", "prefix_over_base",
+                       "base_TBps",
                        "grouped_TBps"])
 
     # W-rank step: max over the timed ranks vs W = 1 native.
@@ -175,15 +187,17 @@ def main():
             step = dict(heads=heads, batch=batch, ctx=ctx, mode=mode, W=world,
                         step_flat_us=max(r["flat_us"] for r in ws_),
                         step_grouped_us=max(r["grouped_us"] for r in ws_),
+                        step_prefix_us=max(r["prefix_us"] for r in ws_),
                         w1_base_us=base)
             step["flat_vs_w1"] = step["step_flat_us"] / base
             step["grouped_vs_w1"] = step["step_grouped_us"] / base
+            step["prefix_vs_w1"] = step["step_prefix_us"] / base
             steps.append(step)
     write_csv(os.path.join(args.out_dir, "decode_step.csv"), steps)
     print("\nW-rank step (max over ranks 0 and W-1) vs W=1 native:")
     print_table(steps, ["heads", "batch", "ctx", "mode", "W", "step_flat_us",
-                        "step_grouped_us", "w1_base_us", "flat_vs_w1",
-                        "grouped_vs_w1"])
+                        "step_grouped_us", "step_prefix_us", "w1_base_us",
+                        "flat_vs_w1", "grouped_vs_w1", "prefix_vs_w1"])
 
     import matplotlib
     matplotlib.use("Agg")
@@ -204,6 +218,8 @@ def main():
                     label=f"grouped W={world}")
             ax.plot(x, [s["step_flat_us"] for s in sel], "x--", color=f"C{k}",
                     label=f"flat W={world}")
+            ax.plot(x, [s["step_prefix_us"] for s in sel], "^:", color=f"C{k}",
+                    label=f"prefix+tail W={world}")
         ax.plot(x, [next(s["w1_base_us"] for s in steps
                          if (s["heads"], s["batch"], s["ctx"], s["mode"]) ==
                          (heads, b, c, mode)) for b, c in points],

@@ -110,7 +110,7 @@ def main():
         shards = shard_paged_kv(cache, table, seq, world_size=world,
                                 interleave=inter, generator=gen)
         merged = {}
-        for mode in ("flat", "grouped"):
+        for mode in ("flat", "grouped", "prefix"):
             outs, lses = [], []
             for rank, (lc, lt) in enumerate(shards):
                 lt = lt.to(dev)
@@ -122,6 +122,8 @@ def main():
                                         dtype=dtype)
                 if mode == "flat":
                     mla.plan_flat(flat)
+                elif mode == "prefix":
+                    mla.plan_causal_prefix(flat, qsl.to(dev))
                 else:
                     mla.plan_grouped(build_grouped_decode(flat, qsl.to(dev), lt),
                                      num_tokens=rows)

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 import pathlib
 import sys
 import types
@@ -23,15 +24,22 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
+    """The overlay module from this checkout: the installed copy when it is
+    identical to the repo file (or there is no repo file), else the repo
+    file itself (a stale installed overlay must not hide local changes)."""
+    path = REPO / "vllm/v1/attention/ops" / f"{name}.py"
     try:
-        return importlib.import_module(f"vllm.v1.attention.ops.{name}")
+        module = importlib.import_module(f"vllm.v1.attention.ops.{name}")
+        installed = pathlib.Path(module.__file__)
+        if not path.exists() or installed.read_bytes() == path.read_bytes():
+            return module
     except ImportError:
-        path = REPO / "vllm/v1/attention/ops" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"_overlay_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
+        pass
+    spec = importlib.util.spec_from_file_location(f"_overlay_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 dcp = _load("dcp_decode")
@@ -162,12 +170,20 @@ def _dcp_case(seed, world, interleave, causal):
     return cache, table, seq, qsl, q, page, heads
 
 
-@pytest.mark.parametrize("grouped", [False, True])
+# The prefix+tail path launches a Triton kernel: CUDA, or TRITON_INTERPRET=1.
+CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize("mode", ["flat", "grouped", "prefix"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_adapter_dcp_merge_with_fake(fake_flashinfer, causal, grouped):
+def test_adapter_dcp_merge_with_fake(fake_flashinfer, causal, mode):
+    grouped = mode == "grouped"
     tdm = None
     if grouped:
         tdm = pytest.importorskip("triton") and _load("triton_dcp_metadata")
+    if mode == "prefix" and not CAN_RUN_TRITON:
+        pytest.skip("prefix+tail needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     world, interleave = 4, 8
     cache, table, seq, qsl, q, page, heads = _dcp_case(0, world, interleave, causal)
     rows = q.shape[0]
@@ -191,9 +207,20 @@ def test_adapter_dcp_merge_with_fake(fake_flashinfer, causal, grouped):
         if grouped:
             mla.plan_grouped(tdm.build_grouped_decode_reference(flat, qsl, lt),
                              num_tokens=rows)
+        elif mode == "prefix":
+            mla.plan_causal_prefix(flat, qsl)
         else:
             mla.plan_flat(flat)
-        out, lse = mla.run(q, lc)
+        if mode == "prefix":
+            flat_d = dcp.FlatDecode(*(getattr(flat, f).to(device) for f in (
+                "seq_lens", "query_start_loc", "block_table", "row_to_req",
+                "global_seq_lens", "empty")))
+            mla.tail = tuple(x.to(device) if torch.is_tensor(x) else x
+                             for x in mla.tail)
+            out, lse = mla.run(q.to(device), lc.to(device))
+            out, lse = out.cpu(), lse.cpu()
+        else:
+            out, lse = mla.run(q, lc)
         assert not torch.isnan(out).any() and not torch.isnan(lse).any()
         outs.append(out)
         lses.append(lse)

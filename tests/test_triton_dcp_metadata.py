@@ -23,17 +23,22 @@ GROUP_FIELDS = ("seq_lens", "query_start_loc", "row_to_req", "empty",
 
 
 def _load(name: str):
-    """Import an overlay module; fall back to the repo file when the
-    installed vllm predates it."""
+    """The overlay module from this checkout: the installed copy when it is
+    identical to the repo file (or there is no repo file), else the repo
+    file itself (a stale installed overlay must not hide local changes)."""
+    path = REPO / "vllm/v1/attention/ops" / f"{name}.py"
     try:
-        return importlib.import_module(f"vllm.v1.attention.ops.{name}")
+        module = importlib.import_module(f"vllm.v1.attention.ops.{name}")
+        installed = pathlib.Path(module.__file__)
+        if not path.exists() or installed.read_bytes() == path.read_bytes():
+            return module
     except ImportError:
-        path = REPO / "vllm/v1/attention/ops" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"_overlay_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
+        pass
+    spec = importlib.util.spec_from_file_location(f"_overlay_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 dcp = _load("dcp_decode")

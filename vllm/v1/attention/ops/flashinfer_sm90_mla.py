@@ -35,8 +35,15 @@ import torch
 
 from vllm.v1.attention.ops.dcp_decode import FlatDecode
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the prefix+tail path needs Triton
+    triton = None
+
 __all__ = [
     "FlashInferSm90MLA",
+    "causal_tail_merge",
     "PagedKVCSR",
     "build_paged_kv_csr",
     "token_empty_mask",
@@ -120,6 +127,117 @@ def token_empty_mask(
     return ~(is_real & has_kv)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _causal_tail_merge_kernel(
+        q_ptr, q_stride_t, q_stride_h,
+        kv_ptr, kv_stride_p, kv_stride_s,
+        bt_ptr, bt_stride,
+        row_lens_ptr, prefix_lens_ptr,
+        out_ptr, lse_ptr,
+        num_heads, page_size, sm_scale,
+        DV: tl.constexpr, DR: tl.constexpr,
+        BLOCK_H: tl.constexpr, KEYS: tl.constexpr,
+    ):
+        """Program = (token t, BLOCK_H heads): attend to local keys
+        [prefix_len, row_len) (at most KEYS) and merge with the prefix
+        partial already in out / lse (base-2 LSE in, natural LSE out)."""
+        t = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = heads < num_heads
+        row_len = tl.load(row_lens_ptr + t)
+        prefix_len = tl.load(prefix_lens_ptr + t)
+        keys = prefix_len + tl.arange(0, KEYS)
+        k_ok = keys < row_len
+        page = tl.load(bt_ptr + t.to(tl.int64) * bt_stride + keys // page_size,
+                       mask=k_ok, other=0)
+        slot = page.to(tl.int64) * kv_stride_p + (keys % page_size) * kv_stride_s
+        dv = tl.arange(0, DV)
+        dr = tl.arange(0, DR)
+        k_c = tl.load(kv_ptr + slot[:, None] + dv[None, :], mask=k_ok[:, None],
+                      other=0.0)
+        k_r = tl.load(kv_ptr + slot[:, None] + DV + dr[None, :],
+                      mask=k_ok[:, None], other=0.0)
+        q_row = q_ptr + t.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h
+        q_c = tl.load(q_row + dv[None, :], mask=h_ok[:, None], other=0.0)
+        q_r = tl.load(q_row + DV + dr[None, :], mask=h_ok[:, None], other=0.0)
+        scores = (tl.dot(q_c.to(tl.float32), tl.trans(k_c.to(tl.float32)))
+                  + tl.dot(q_r.to(tl.float32), tl.trans(k_r.to(tl.float32))))
+        scores = tl.where(k_ok[None, :], scores * sm_scale, float("-inf"))
+        m_tail = tl.max(scores, axis=1)
+        m_tail = tl.where(m_tail == float("-inf"), 0.0, m_tail)
+        probs = tl.exp(scores - m_tail[:, None])  # 0 on masked keys
+        sum_tail = tl.sum(probs, axis=1)
+        o_tail = tl.dot(probs, k_c.to(tl.float32))  # [BLOCK_H, DV] unnormalised
+        o_tail = o_tail / tl.where(sum_tail > 0, sum_tail, 1.0)[:, None]
+        lse_tail = tl.where(sum_tail > 0, m_tail + tl.log(sum_tail),
+                            float("-inf"))
+
+        has_prefix = (tl.zeros_like(heads) + prefix_len) > 0  # [BLOCK_H]
+        out_rows = (t.to(tl.int64) * num_heads + heads)
+        lse_pre = tl.load(lse_ptr + out_rows, mask=h_ok & has_prefix,
+                          other=float("-inf")) * 0.6931471805599453
+        o_pre = tl.load(out_ptr + out_rows[:, None] * DV + dv[None, :],
+                        mask=(h_ok & has_prefix)[:, None], other=0.0)
+        lse_max = tl.maximum(lse_pre, lse_tail)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        w_pre = tl.exp(lse_pre - lse_max)
+        w_tail = tl.exp(lse_tail - lse_max)
+        total = w_pre + w_tail
+        norm = tl.where(total > 0, total, 1.0)
+        merged = (w_pre[:, None] * o_pre.to(tl.float32)
+                  + w_tail[:, None] * o_tail) / norm[:, None]
+        tl.store(out_ptr + out_rows[:, None] * DV + dv[None, :],
+                 merged.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(lse_ptr + out_rows,
+                 tl.where(total > 0, lse_max + tl.log(total), float("-inf")),
+                 mask=h_ok)
+
+
+def causal_tail_merge(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    row_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    sm_scale: float,
+    max_tail: int = 16,
+) -> None:
+    """Finish prefix+tail causal decode in place (one Triton launch).
+
+    Each query row ``t`` must attend to local keys ``[0, row_lens[t])``;
+    ``out`` / ``lse`` already hold its attention over ``[0, prefix_lens[t])``
+    (``lse`` in base 2, as FlashInfer returns it; ignored where
+    ``prefix_lens == 0``). This attends to the tail keys
+    ``[prefix_lens[t], row_lens[t])`` (at most ``max_tail``), merges, and
+    leaves the natural-log LSE; rows with no keys get out 0, lse -inf.
+
+    Args:
+        q: [T, H, Dv + Dr] queries. kv_cache: [P, page, Dv + Dr].
+        block_table: int32 [T, B] per-row local block table.
+        row_lens, prefix_lens: int32 [T].
+        out: [T, H, Dv] (contiguous), lse: float32 [T, H] (contiguous).
+    """
+    num_tokens, num_heads, width = q.shape
+    dv = out.shape[-1]
+    block_h = 16
+    keys = max(triton.next_power_of_2(max_tail), 16)
+    if num_tokens == 0:
+        return
+    _causal_tail_merge_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        q, q.stride(0), q.stride(1),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        block_table, block_table.stride(0),
+        row_lens, prefix_lens, out, lse,
+        num_heads, kv_cache.shape[1], sm_scale,
+        DV=dv, DR=width - dv, BLOCK_H=block_h, KEYS=keys,
+    )
+
+
 class FlashInferSm90MLA:
     """Absorbed-MLA decode on sm90 through FlashInfer's FA3 MLA wrapper.
 
@@ -163,6 +281,7 @@ class FlashInferSm90MLA:
         self.num_tokens = 0
         self.token_empty: torch.Tensor | None = None
         self.csr: PagedKVCSR | None = None
+        self.tail: tuple | None = None
 
     # ---------------------------------------------------------------- plans
     def _plan(self, qo_indptr: torch.Tensor, csr: PagedKVCSR, *, causal: bool,
@@ -189,6 +308,7 @@ class FlashInferSm90MLA:
         self.csr = csr
         self.num_tokens = num_tokens
         self.token_empty = token_empty
+        self.tail = None
 
     def plan_flat(self, flat: FlatDecode) -> None:
         """Plan one non-causal segment per flattened row (N rows, N tokens)."""
@@ -212,6 +332,40 @@ class FlashInferSm90MLA:
                                  num_tokens)
         self._plan(groups.query_start_loc, csr, causal=False,
                    num_tokens=num_tokens, token_empty=empty)
+
+    def plan_causal_prefix(self, flat: FlatDecode,
+                           query_start_loc: torch.Tensor) -> None:
+        """Plan causal rows as a shared prefix plus a short per-token tail.
+
+        Under DCP a request's per-token local bounds ``l_0 <= .. <= l_{n-1}``
+        step by 0 or 1, so every token sees the request's first ``l_0``
+        local keys: one non-causal segment per request over ``l_0`` keys
+        reads the KV once (like FlashInfer's native multi-token decode), and
+        ``causal_tail_merge`` adds each token's ``l_t - l_0 <= n - 1`` tail
+        keys and merges. Works for non-causal rows too (empty tails).
+
+        Args:
+            flat: FlatDecode (N rows) of this rank.
+            query_start_loc: int32 [R + 1] request query offsets ``flat``
+                was built from.
+        """
+        device = flat.seq_lens.device
+        num_rows = flat.num_rows
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        starts = query_start_loc[:-1][q_lens > 0]  # host sync (plan syncs)
+        num_tokens = min(int(query_start_loc[-1]), num_rows)
+        starts = starts[starts < num_tokens]
+        seg_qsl = torch.cat([starts, starts.new_tensor([num_tokens])])
+        csr = build_paged_kv_csr(flat.seq_lens[starts.long()],
+                                 flat.block_table[starts.long()], self.page_size)
+        rows = torch.arange(num_rows, dtype=torch.int32, device=device)
+        first = query_start_loc[flat.row_to_req.long()].long()
+        prefix = flat.seq_lens[first.clamp(max=max(num_rows - 1, 0))]
+        prefix_lens = torch.where(rows < num_tokens, prefix, 0).to(torch.int32)
+        max_tail = int(q_lens.max()) if q_lens.numel() else 1
+        self._plan(seg_qsl, csr, causal=False, num_tokens=num_rows,
+                   token_empty=flat.empty)
+        self.tail = (flat.block_table, flat.seq_lens, prefix_lens, max_tail)
 
     def plan_requests(self, query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
                       block_table: torch.Tensor, *, causal: bool) -> None:
@@ -259,6 +413,11 @@ class FlashInferSm90MLA:
                               device=q.device)
         self._wrapper.run(query=q, kv_cache=kv_cache, out=out, lse=lse,
                           return_lse=True)
+        if self.tail is not None:
+            table, row_lens, prefix_lens, max_tail = self.tail
+            causal_tail_merge(q, kv_cache, table, row_lens, prefix_lens, out,
+                              lse, sm_scale=self.sm_scale, max_tail=max_tail)
+            return out, lse  # merged, masked, natural-log LSE
         lse.mul_(LN2)  # FlashInfer's MLA LSE is base 2
         if mask_empty:
             empty = self.token_empty
