@@ -146,6 +146,11 @@ def run_gsm8k(*, base_url: str, data_dir: str | os.PathLike,
         ``{"strict-match": float, "flexible-extract": float, ...stderrs,
         "n_samples": int, "wall_s": float}``.
     """
+    import importlib.util
+
+    if importlib.util.find_spec("tenacity") is None:
+        raise RuntimeError("lm-eval's API models need tenacity: "
+                           "pip install 'lm-eval[api]==0.4.13'")
     base_url = base_url.rstrip("/")
     model = model or served_model_name(base_url)
     tokenizer = tokenizer or model

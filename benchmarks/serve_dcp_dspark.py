@@ -77,6 +77,15 @@ def server_command(*, model: str, tp: int = 1, dcp: int = 1,
     return cmd + list(extra_args)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def cpu_server_env(tp: int) -> dict[str, str]:
     """Environment a CPU engine needs on a small machine (DESIGN.md §8):
     one OpenMP core set per TP rank and a 1 GiB KV cache."""

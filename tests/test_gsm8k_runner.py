@@ -126,13 +126,51 @@ def test_server_start_fails_fast_on_a_dead_server(tmp_path):
         bad.start()
 
 
+FAKE_SERVER = r"""
+import http.server, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_server_waits_for_health_and_stops_its_process_group(tmp_path):
+    port = serve.free_port()
+    server = serve.VllmServer([sys.executable, "-c", FAKE_SERVER, str(port)],
+                              port=port, ready_timeout=60)
+    with server:
+        assert server.process.poll() is None
+        group = server.process.pid
+        assert len(_group_members(group)) == 2  # the server and its child
+    assert server.process.returncode is not None
+    assert _group_members(group) == []  # the child went with it
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
 @pytest.mark.engine
 def test_gsm8k_runner_against_cpu_tp2_dcp2_server(tmp_path, capfd):
     """lm-eval gsm8k 5-shot through a CPU ``-tp 2 -dcp 2`` tiny-MLA server."""
     from tiny_mla import build_tiny_mla_checkpoint
 
     model = build_tiny_mla_checkpoint(tmp_path / "tiny-mla")
-    port = 8000 + (hash(str(tmp_path)) % 1000)
+    port = serve.free_port()
     command = serve.server_command(
         model=str(model), tp=2, dcp=2, port=port,
         extra_args=["--dtype", "float32", "--enforce-eager",
