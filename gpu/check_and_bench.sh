@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device run: install carried FlashInfer wheels, run the CUDA tests, the DCP
 # correctness check against float32 full attention, and the benchmarks.
-# Usage (repo root, on the device): bash gpu/check_and_bench.sh [all|check|bench]
+# Usage (repo root, on the device): bash gpu/check_and_bench.sh [all|check|bench|decode]  (decode = check + decode bench)
 # Writes logs and a results tarball under $OUT (or ./.out).
 set -u
 MODE=${1:-all}
@@ -17,7 +17,7 @@ export PYTHONPATH=/tmp/site:.
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || echo "NO FLASHINFER"
-if [ "$MODE" != bench ]; then
+if [ "$MODE" != bench ]; then  # all, check, decode
   step pytest
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_dcp_metadata.py \
     tests/test_flashinfer_sm90_adapter.py 2>&1 | tail -15
@@ -26,7 +26,11 @@ if [ "$MODE" != bench ]; then
     | grep -v Warning
   echo "check rc=${PIPESTATUS[0]}"
 fi
-if [ "$MODE" != check ]; then
+if [ "$MODE" = decode ]; then
+  step decode
+  timeout 260 python3 benchmarks/decode.py --out-dir $RES 2>&1 | grep -v "it/s\]"
+fi
+if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   step metadata
   timeout 120 python3 benchmarks/metadata.py --out-dir $RES 2>&1 | grep -v "it/s\]"
   step decode

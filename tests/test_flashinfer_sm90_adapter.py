@@ -260,3 +260,37 @@ def test_calls_bind_to_installed_flashinfer(fake_flashinfer):
 
 
 _REAL_MLA = real_fi_mla if HAVE_FLASHINFER else None
+
+
+@pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_tail_merge_matches_reference(dtype):
+    """Prefix partial (base-2 LSE, poisoned where empty) + tail == full."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads, page = 7, 20, 4
+    cache = torch.randn(12, page, 576, generator=gen).to(dtype)
+    table = torch.randint(1, 12, (tokens, 5), generator=gen).int()
+    row_lens = torch.tensor([5, 6, 7, 3, 0, 9, 2]).int()
+    prefix = torch.tensor([5, 5, 5, 0, 0, 7, 2]).int()
+    q = torch.randn(tokens, heads, 576, generator=gen).to(dtype)
+    scale = 0.05
+    pre_out, pre_lse = dcp.mla_decode_reference(q.float(), cache.float(), table,
+                                                prefix, kv_lora_rank=512,
+                                                scale=scale)
+    ref_out, ref_lse = dcp.mla_decode_reference(q.float(), cache.float(), table,
+                                                row_lens, kv_lora_rank=512,
+                                                scale=scale)
+    out = pre_out.to(dtype).clone()
+    lse = pre_lse / math.log(2.0)
+    out[prefix == 0] = float("nan")
+    lse[prefix == 0] = float("nan")
+    args = [x.to(device) for x in (q, cache, table, row_lens, prefix, out, lse)]
+    fsm.causal_tail_merge(*args, sm_scale=scale, max_tail=4)
+    got_out, got_lse = args[5].cpu().float(), args[6].cpu()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got_out, ref_out, atol=tol, rtol=tol)
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(got_lse[fin], ref_lse[fin], atol=1e-3)
+    assert bool((got_out[row_lens == 0] == 0).all())
