@@ -212,11 +212,10 @@ def test_adapter_dcp_merge_with_fake(fake_flashinfer, causal, mode):
         else:
             mla.plan_flat(flat)
         if mode == "prefix":
-            flat_d = dcp.FlatDecode(*(getattr(flat, f).to(device) for f in (
-                "seq_lens", "query_start_loc", "block_table", "row_to_req",
-                "global_seq_lens", "empty")))
-            mla.tail = tuple(x.to(device) if torch.is_tensor(x) else x
-                             for x in mla.tail)
+            if mla.tail is not None:
+                mla.tail = tuple(x.to(device) if torch.is_tensor(x) else x
+                                 for x in mla.tail)
+            mla.token_empty = mla.token_empty.to(device)
             out, lse = mla.run(q.to(device), lc.to(device))
             out, lse = out.cpu(), lse.cpu()
         else:

@@ -138,7 +138,7 @@ if triton is not None:
         out_ptr, lse_ptr,
         num_heads, page_size, sm_scale,
         DV: tl.constexpr, DR: tl.constexpr,
-        BLOCK_H: tl.constexpr, KEYS: tl.constexpr,
+        BLOCK_H: tl.constexpr, KEYS: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Program = (token t, BLOCK_H heads): attend to local keys
         [prefix_len, row_len) (at most KEYS) and merge with the prefix
@@ -148,6 +148,11 @@ if triton is not None:
         h_ok = heads < num_heads
         row_len = tl.load(row_lens_ptr + t)
         prefix_len = tl.load(prefix_lens_ptr + t)
+        # Rows without tail keys only rescale the LSE (and zero empty rows):
+        # every load below is predicated off for them.
+        no_keys = tl.zeros_like(heads) + row_len
+        has_tail = no_keys > prefix_len  # [BLOCK_H], all equal
+        is_empty = no_keys == 0
         keys = prefix_len + tl.arange(0, KEYS)
         k_ok = keys < row_len
         page = tl.load(bt_ptr + t.to(tl.int64) * bt_stride + keys // page_size,
@@ -160,16 +165,21 @@ if triton is not None:
         k_r = tl.load(kv_ptr + slot[:, None] + DV + dr[None, :],
                       mask=k_ok[:, None], other=0.0)
         q_row = q_ptr + t.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h
-        q_c = tl.load(q_row + dv[None, :], mask=h_ok[:, None], other=0.0)
-        q_r = tl.load(q_row + DV + dr[None, :], mask=h_ok[:, None], other=0.0)
-        scores = (tl.dot(q_c.to(tl.float32), tl.trans(k_c.to(tl.float32)))
-                  + tl.dot(q_r.to(tl.float32), tl.trans(k_r.to(tl.float32))))
+        q_ok = (h_ok & has_tail)[:, None]
+        q_c = tl.load(q_row + dv[None, :], mask=q_ok, other=0.0)
+        q_r = tl.load(q_row + DV + dr[None, :], mask=q_ok, other=0.0)
+        # fp32 operands: bf16 values are exact in tf32, so the default "tf32"
+        # keeps bf16 products exact; fp32 inputs ask for "ieee".
+        scores = (tl.dot(q_c.to(tl.float32), tl.trans(k_c.to(tl.float32)),
+                         input_precision=PRECISION)
+                  + tl.dot(q_r.to(tl.float32), tl.trans(k_r.to(tl.float32)),
+                           input_precision=PRECISION))
         scores = tl.where(k_ok[None, :], scores * sm_scale, float("-inf"))
         m_tail = tl.max(scores, axis=1)
         m_tail = tl.where(m_tail == float("-inf"), 0.0, m_tail)
         probs = tl.exp(scores - m_tail[:, None])  # 0 on masked keys
         sum_tail = tl.sum(probs, axis=1)
-        o_tail = tl.dot(probs, k_c.to(tl.float32))  # [BLOCK_H, DV] unnormalised
+        o_tail = tl.dot(probs, k_c.to(tl.float32), input_precision=PRECISION)  # [BLOCK_H, DV] unnormalised
         o_tail = o_tail / tl.where(sum_tail > 0, sum_tail, 1.0)[:, None]
         lse_tail = tl.where(sum_tail > 0, m_tail + tl.log(sum_tail),
                             float("-inf"))
@@ -179,7 +189,7 @@ if triton is not None:
         lse_pre = tl.load(lse_ptr + out_rows, mask=h_ok & has_prefix,
                           other=float("-inf")) * 0.6931471805599453
         o_pre = tl.load(out_ptr + out_rows[:, None] * DV + dv[None, :],
-                        mask=(h_ok & has_prefix)[:, None], other=0.0)
+                        mask=(h_ok & has_prefix & has_tail)[:, None], other=0.0)
         lse_max = tl.maximum(lse_pre, lse_tail)
         lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
         w_pre = tl.exp(lse_pre - lse_max)
@@ -189,7 +199,8 @@ if triton is not None:
         merged = (w_pre[:, None] * o_pre.to(tl.float32)
                   + w_tail[:, None] * o_tail) / norm[:, None]
         tl.store(out_ptr + out_rows[:, None] * DV + dv[None, :],
-                 merged.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+                 merged.to(out_ptr.dtype.element_ty),
+                 mask=(h_ok & (has_tail | is_empty))[:, None])
         tl.store(lse_ptr + out_rows,
                  tl.where(total > 0, lse_max + tl.log(total), float("-inf")),
                  mask=h_ok)
@@ -235,6 +246,8 @@ def causal_tail_merge(
         row_lens, prefix_lens, out, lse,
         num_heads, kv_cache.shape[1], sm_scale,
         DV=dv, DR=width - dv, BLOCK_H=block_h, KEYS=keys,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8,
     )
 
 
@@ -362,10 +375,11 @@ class FlashInferSm90MLA:
         first = query_start_loc[flat.row_to_req.long()].long()
         prefix = flat.seq_lens[first.clamp(max=max(num_rows - 1, 0))]
         prefix_lens = torch.where(rows < num_tokens, prefix, 0).to(torch.int32)
-        max_tail = int(q_lens.max()) if q_lens.numel() else 1
+        max_tail = int((flat.seq_lens - prefix_lens).max()) if num_rows else 0
         self._plan(seg_qsl, csr, causal=False, num_tokens=num_rows,
                    token_empty=flat.empty)
-        self.tail = (flat.block_table, flat.seq_lens, prefix_lens, max_tail)
+        if max_tail > 0:  # else (non-causal draft blocks) plain LSE + masking
+            self.tail = (flat.block_table, flat.seq_lens, prefix_lens, max_tail)
 
     def plan_requests(self, query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
                       block_table: torch.Tensor, *, causal: bool) -> None:
