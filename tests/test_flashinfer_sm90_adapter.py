@@ -106,24 +106,29 @@ class _FakeWrapper:
         m = self.meta
         q, kv = kwargs["query"], kwargs["kv_cache"]
         tokens = q.shape[0]
-        seg = torch.searchsorted(m.qo_indptr[1:], torch.arange(tokens).int(),
+        qo = m.qo_indptr.cpu()
+        seg = torch.searchsorted(qo[1:].contiguous(), torch.arange(tokens).int(),
                                  right=True)
         seg = seg.clamp(max=m.kv_len_arr.numel() - 1)
         # Rebuild a dense table from the CSR to feed the reference.
+        m = types.SimpleNamespace(**{k: getattr(m, k).cpu() for k in (
+            "qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")})
         pages = m.kv_indptr[1:] - m.kv_indptr[:-1]
         width = max(int(pages.max()), 1)
         table = torch.zeros(m.kv_len_arr.numel(), width, dtype=torch.int32)
         for s in range(table.shape[0]):
             p = int(pages[s])
             table[s, :p] = m.kv_indices[int(m.kv_indptr[s]):int(m.kv_indptr[s]) + p]
+        dev = q.device
+        seg_lens = m.kv_len_arr.cpu()[seg].to(dev)
         out, lse = dcp.mla_decode_reference(
-            q, kv, table[seg], m.kv_len_arr[seg], kv_lora_rank=512,
+            q, kv, table[seg].to(dev), seg_lens, kv_lora_rank=512,
             scale=self.kw["sm_scale"])
         kwargs["out"].copy_(out)
         # Garbage on empty rows, as a real kernel may leave.
-        kwargs["lse"].copy_(torch.where(m.kv_len_arr[seg][:, None] > 0,
+        kwargs["lse"].copy_(torch.where(seg_lens[:, None] > 0,
                                         lse / math.log(2.0), float("nan")))
-        kwargs["out"][m.kv_len_arr[seg] == 0] = float("nan")
+        kwargs["out"][seg_lens == 0] = float("nan")
         return kwargs["out"], kwargs["lse"]
 
 
