@@ -2,12 +2,14 @@
 """Greedy generation through ``vllm.LLM`` on GPUs, optionally with DSpark.
 
 One engine per process (the GPU test runs this as a subprocess). Prints one
-JSON object on the last line of stdout::
+JSON object on a line of stdout and writes it to ``--out``::
 
     python tests/gpu/dspark_greedy_run.py --model TARGET --prompts-json FILE \
-        --tp 2 --dcp 2 [--interleave 1] [--draft DRAFT] [--max-tokens 48]
+        --tp 2 --dcp 2 [--interleave 1] [--draft DRAFT] [--max-tokens 48] \
+        [--out RESULT.json]
 
-Output: ``{"tokens": [[...] per prompt], "load_s", "generate_s",
+vLLM logs to stdout too (also after the result, at shut-down), so callers
+should read ``--out``. Output: ``{"tokens": [[...] per prompt], "load_s", "generate_s",
 "tokens_per_s", "spec": {"num_drafts", "num_draft_tokens",
 "num_accepted_tokens", "accepted_per_pos", "acceptance_rate"}}``.
 Model Runner V2 is forced on (DSpark needs it) for runs with and without a
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--out", help="also write the result JSON here")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -97,6 +100,9 @@ def main() -> None:
         "spec": spec_decode_stats(llm.get_metrics()) if args.draft else {},
     }
     print(json.dumps(result), flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh)
 
 
 if __name__ == "__main__":

@@ -91,8 +91,11 @@ def models(tmp_path_factory):
 def run_engine(target, prompts_file, *, tp=1, dcp=1, interleave=1,
                draft=None) -> dict:
     """One greedy run in a subprocess; its JSON result."""
+    out = prompts_file.parent / f"result_tp{tp}_dcp{dcp}_i{interleave}_{bool(draft)}.json"
+    out.unlink(missing_ok=True)
     cmd = [sys.executable, str(GPU_DIR / "dspark_greedy_run.py"),
            "--model", str(target), "--prompts-json", str(prompts_file),
+           "--out", str(out),
            "--tp", str(tp), "--dcp", str(dcp), "--interleave", str(interleave),
            "--max-tokens", str(MAX_TOKENS)]
     if draft is not None:
@@ -105,7 +108,7 @@ def run_engine(target, prompts_file, *, tp=1, dcp=1, interleave=1,
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(out.read_text())
 
 
 def first_difference(expected: list[list[int]], got: list[list[int]]):
