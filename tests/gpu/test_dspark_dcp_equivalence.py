@@ -16,12 +16,23 @@ random, so draft-side errors move acceptance less than a trained draft's.
 Prompts of 5 to 300 tokens plus 48 generated ones cross several KV blocks
 (64 tokens) and DCP interleave boundaries on every rank.
 
+The GPU MLA kernels run in bfloat16, where TP=1 itself leaves float32
+greedy at near-ties (on CPU: top-2 gaps <= 0.19 logit at every divergence of
+bf16 TP1 vs bf16 TP2 x DCP2, while one wrong token costs ~16). So besides
+counting exact matches, every run's tokens are scored teacher-forced by
+transformers in float32: each must be the float32 argmax within
+``TIE_TOL`` logits. A divergence from TP=1 passes only as such a near-tie;
+``DSPARK_TEST_EXACT=1`` demands exact equality instead (use it with
+``DSPARK_TEST_DTYPE=float32`` where the backends allow).
+
 DSpark needs Model Runner V2, which needs Triton on a GPU: every test skips
 without CUDA or with fewer than W GPUs. Each engine runs in its own process
 (``dspark_greedy_run.py``). Knobs (environment):
 
 * ``DSPARK_TEST_ATTENTION_BACKEND``, ``DSPARK_TEST_DRAFT_BACKEND``: MLA
   backends of target and draft (default: vLLM's choice);
+* ``DSPARK_TEST_DTYPE``: model dtype (default bfloat16);
+* ``DSPARK_TEST_EXACT=1``: require exact token equality with TP=1;
 * ``DSPARK_TEST_REPORT``: append each case's result as a JSON line there.
 """
 
@@ -45,6 +56,9 @@ from tiny_mla import build_tiny_mla_checkpoint, hf_greedy  # noqa: E402
 
 PROMPT_LENGTHS = (5, 63, 64, 65, 130, 200, 300)
 MAX_TOKENS = 48
+# Largest float32 logit deficit a bf16 greedy token may have (noise, ~2.5x
+# the largest seen on CPU); a wrong token's deficit is in the tens.
+TIE_TOL = 0.5
 
 
 def cuda_device_count() -> int:
@@ -97,7 +111,8 @@ def run_engine(target, prompts_file, *, tp=1, dcp=1, interleave=1,
            "--model", str(target), "--prompts-json", str(prompts_file),
            "--out", str(out),
            "--tp", str(tp), "--dcp", str(dcp), "--interleave", str(interleave),
-           "--max-tokens", str(MAX_TOKENS)]
+           "--max-tokens", str(MAX_TOKENS),
+           "--dtype", os.environ.get("DSPARK_TEST_DTYPE", "bfloat16")]
     if draft is not None:
         cmd += ["--draft", str(draft)]
         if os.environ.get("DSPARK_TEST_DRAFT_BACKEND"):
@@ -121,6 +136,45 @@ def first_difference(expected: list[list[int]], got: list[list[int]]):
     return None
 
 
+def fp32_deficits(target, prompts_file, tokens) -> list[list[float]]:
+    """Per generated token: float32 max logit minus the token's logit, with
+    the run's own tokens as context (transformers on CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        target, dtype=torch.float32).eval()
+    prompts = json.loads(prompts_file.read_text())
+    deficits = []
+    with torch.no_grad():
+        for prompt, generated in zip(prompts, tokens):
+            logits = model(torch.tensor([prompt + generated])).logits[0]
+            logits = logits[len(prompt) - 1:-1]
+            chosen = logits[torch.arange(len(generated)), torch.tensor(generated)]
+            deficits.append((logits.max(-1).values - chosen).tolist())
+    return deficits
+
+
+def check_greedy(models, plain, result, name: str) -> dict:
+    """Compare a run with TP=1 plain greedy; assert; return report fields."""
+    target, _, prompts_file = models
+    assert all(len(t) == MAX_TOKENS for t in result["tokens"]), name
+    exact = [a == b for a, b in zip(plain["tokens"], result["tokens"])]
+    deficits = fp32_deficits(target, prompts_file, result["tokens"])
+    worst = max(max(d) for d in deficits)
+    fields = {"exact_prompts": sum(exact), "prompts": len(exact),
+              "first_difference": first_difference(plain["tokens"], result["tokens"]),
+              "max_fp32_deficit": round(worst, 4)}
+    if os.environ.get("DSPARK_TEST_EXACT") == "1":
+        assert all(exact), f"{name} differs from TP1 greedy: {fields}"
+    i, j = max(((i, j) for i, d in enumerate(deficits) for j in range(len(d))),
+               key=lambda ij: deficits[ij[0]][ij[1]])
+    assert worst <= TIE_TOL, (
+        f"{name}: prompt {i} (length {PROMPT_LENGTHS[i]}) generated token {j} "
+        f"is {worst:.3f} logits below float32 greedy; {fields}")
+    return fields
+
+
 @pytest.fixture(scope="module")
 def reference(models):
     """TP=1: no speculation (the tokens) and DSpark (the acceptance)."""
@@ -138,13 +192,21 @@ def report(case: dict) -> None:
             fh.write(json.dumps(case) + "\n")
 
 
+def test_tp1_plain_is_float32_greedy_within_noise(models, reference):
+    """Calibrates TIE_TOL: the reference itself must pass the check."""
+    plain, _ = reference
+    fields = check_greedy(models, plain, plain, "TP1")
+    report({"case": "tp1-plain", "tokens_per_s": plain["tokens_per_s"],
+            "max_fp32_deficit": fields["max_fp32_deficit"]})
+
+
 def test_dspark_at_tp1_matches_plain_greedy(models, reference):
     plain, dspark = reference
-    assert all(len(t) == MAX_TOKENS for t in plain["tokens"])
     assert dspark["spec"]["num_drafts"] > 0, "DSpark never drafted"
-    assert first_difference(plain["tokens"], dspark["tokens"]) is None
+    fields = check_greedy(models, plain, dspark, "TP1 + DSpark")
     report({"case": "tp1-dspark", "tokens_per_s": dspark["tokens_per_s"],
-            "plain_tokens_per_s": plain["tokens_per_s"], "spec": dspark["spec"]})
+            "plain_tokens_per_s": plain["tokens_per_s"], "spec": dspark["spec"],
+            **fields})
 
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (2, 16), (4, 1), (8, 1)])
@@ -156,19 +218,19 @@ def test_tp_dcp_dspark_matches_tp1_greedy(models, reference, world, interleave):
     result = run_engine(target, prompts_file, tp=world, dcp=world,
                         interleave=interleave, draft=draft)
     spec, ref_spec = result["spec"], ref_dspark["spec"]
-    report({"case": f"tp{world}-dcp{world}-i{interleave}-dspark",
+    name = f"TP{world} x DCP{world} (interleave {interleave}) + DSpark"
+    case = {"case": f"tp{world}-dcp{world}-i{interleave}-dspark",
             "tokens_per_s": result["tokens_per_s"],
             "tp1_plain_tokens_per_s": plain["tokens_per_s"],
             "acceptance_rate": spec["acceptance_rate"],
             "tp1_acceptance_rate": ref_spec["acceptance_rate"],
             "accepted_per_pos": spec["accepted_per_pos"],
-            "tp1_accepted_per_pos": ref_spec["accepted_per_pos"]})
+            "tp1_accepted_per_pos": ref_spec["accepted_per_pos"]}
+    try:
+        case.update(check_greedy(models, plain, result, name))
+    finally:
+        report(case)
     assert spec["num_drafts"] > 0, "DSpark never drafted"
-    diff = first_difference(plain["tokens"], result["tokens"])
-    assert diff is None, (
-        f"TP{world} x DCP{world} (interleave {interleave}) + DSpark differs "
-        f"from TP1 greedy at prompt {diff[0]} "
-        f"(length {PROMPT_LENGTHS[diff[0]]}), generated token {diff[1]}")
     # The draft's view of the context must not degrade under DCP.
     ref_rate = ref_spec["acceptance_rate"] or 0.0
     if ref_rate >= 0.05:
