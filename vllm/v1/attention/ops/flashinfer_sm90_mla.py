@@ -134,16 +134,16 @@ if triton is not None:
         q_ptr, q_stride_t, q_stride_h,
         kv_ptr, kv_stride_p, kv_stride_s,
         bt_ptr, bt_stride,
-        row_lens_ptr, prefix_lens_ptr,
+        tail_rows_ptr, row_lens_ptr, prefix_lens_ptr,
         out_ptr, lse_ptr,
         num_heads, page_size, sm_scale,
         DV: tl.constexpr, DR: tl.constexpr,
         BLOCK_H: tl.constexpr, KEYS: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """Program = (token t, BLOCK_H heads): attend to local keys
-        [prefix_len, row_len) (at most KEYS) and merge with the prefix
-        partial already in out / lse (base-2 LSE in, natural LSE out)."""
-        t = tl.program_id(0)
+        """Program = (row t = tail_rows[pid], BLOCK_H heads): attend to local
+        keys [prefix_len, row_len) (at most KEYS) and merge with the prefix
+        partial already in out / lse (natural-log LSE in and out)."""
+        t = tl.load(tail_rows_ptr + tl.program_id(0))
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = heads < num_heads
         row_len = tl.load(row_lens_ptr + t)
@@ -187,7 +187,7 @@ if triton is not None:
         has_prefix = (tl.zeros_like(heads) + prefix_len) > 0  # [BLOCK_H]
         out_rows = (t.to(tl.int64) * num_heads + heads)
         lse_pre = tl.load(lse_ptr + out_rows, mask=h_ok & has_prefix,
-                          other=float("-inf")) * 0.6931471805599453
+                          other=float("-inf"))
         o_pre = tl.load(out_ptr + out_rows[:, None] * DV + dv[None, :],
                         mask=(h_ok & has_prefix & has_tail)[:, None], other=0.0)
         lse_max = tl.maximum(lse_pre, lse_tail)
@@ -217,6 +217,7 @@ def causal_tail_merge(
     *,
     sm_scale: float,
     max_tail: int = 16,
+    tail_rows: torch.Tensor | None = None,
 ) -> None:
     """Finish prefix+tail causal decode in place (one Triton launch).
 
@@ -232,18 +233,23 @@ def causal_tail_merge(
         block_table: int32 [T, B] per-row local block table.
         row_lens, prefix_lens: int32 [T].
         out: [T, H, Dv] (contiguous), lse: float32 [T, H] (contiguous).
+        tail_rows: int32 [T'] rows to process (default all T); rows left out
+            must already be final (no tail keys).
     """
     num_tokens, num_heads, width = q.shape
     dv = out.shape[-1]
     block_h = 16
     keys = max(triton.next_power_of_2(max_tail), 16)
-    if num_tokens == 0:
+    if tail_rows is None:
+        tail_rows = torch.arange(num_tokens, dtype=torch.int32, device=q.device)
+    if tail_rows.numel() == 0:
         return
-    _causal_tail_merge_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+    grid = (tail_rows.numel(), triton.cdiv(num_heads, block_h))
+    _causal_tail_merge_kernel[grid](
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1),
         block_table, block_table.stride(0),
-        row_lens, prefix_lens, out, lse,
+        tail_rows, row_lens, prefix_lens, out, lse,
         num_heads, kv_cache.shape[1], sm_scale,
         DV=dv, DR=width - dv, BLOCK_H=block_h, KEYS=keys,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -321,6 +327,9 @@ class FlashInferSm90MLA:
         self.csr = csr
         self.num_tokens = num_tokens
         self.token_empty = token_empty
+        # Plan syncs anyway: keep the (few) empty rows as an index list so
+        # that masking touches only them.
+        self.empty_rows = torch.nonzero(token_empty).flatten()
         self.tail = None
 
     def plan_flat(self, flat: FlatDecode) -> None:
@@ -375,11 +384,14 @@ class FlashInferSm90MLA:
         first = query_start_loc[flat.row_to_req.long()].long()
         prefix = flat.seq_lens[first.clamp(max=max(num_rows - 1, 0))]
         prefix_lens = torch.where(rows < num_tokens, prefix, 0).to(torch.int32)
-        max_tail = int((flat.seq_lens - prefix_lens).max()) if num_rows else 0
+        tails = flat.seq_lens - prefix_lens
+        tail_rows = torch.nonzero(tails > 0).flatten().to(torch.int32)
         self._plan(seg_qsl, csr, causal=False, num_tokens=num_rows,
                    token_empty=flat.empty)
-        if max_tail > 0:  # else (non-causal draft blocks) plain LSE + masking
-            self.tail = (flat.block_table, flat.seq_lens, prefix_lens, max_tail)
+        if tail_rows.numel():  # none for non-causal draft blocks
+            max_tail = int(tails.max())
+            self.tail = (flat.block_table, flat.seq_lens, prefix_lens, max_tail,
+                         tail_rows)
 
     def plan_requests(self, query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
                       block_table: torch.Tensor, *, causal: bool) -> None:
@@ -427,14 +439,13 @@ class FlashInferSm90MLA:
                               device=q.device)
         self._wrapper.run(query=q, kv_cache=kv_cache, out=out, lse=lse,
                           return_lse=True)
-        if self.tail is not None:
-            table, row_lens, prefix_lens, max_tail = self.tail
-            causal_tail_merge(q, kv_cache, table, row_lens, prefix_lens, out,
-                              lse, sm_scale=self.sm_scale, max_tail=max_tail)
-            return out, lse  # merged, masked, natural-log LSE
         lse.mul_(LN2)  # FlashInfer's MLA LSE is base 2
-        if mask_empty:
-            empty = self.token_empty
-            out.masked_fill_(empty[:, None, None], 0.0)
-            lse.masked_fill_(empty[:, None], float("-inf"))
+        if mask_empty and self.empty_rows.numel():
+            out.index_fill_(0, self.empty_rows, 0.0)
+            lse.index_fill_(0, self.empty_rows, float("-inf"))
+        if self.tail is not None:
+            table, row_lens, prefix_lens, max_tail, tail_rows = self.tail
+            causal_tail_merge(q, kv_cache, table, row_lens, prefix_lens, out,
+                              lse, sm_scale=self.sm_scale, max_tail=max_tail,
+                              tail_rows=tail_rows)
         return out, lse
