@@ -6,10 +6,10 @@ Runs lm-eval (0.4.13) with its ``local-completions`` model against
 with no hub access::
 
     python benchmarks/gsm8k.py --base-url http://127.0.0.1:8000/v1 \
-        [--data-dir /work/shared/data/gsm8k] [--limit 200] [--num-concurrent 32]
+        [--data-dir ../shared/data/gsm8k] [--limit 200] [--num-concurrent 32]
 
 The data folder holds ``test.jsonl`` and ``train.jsonl`` (fields ``question``
-and ``answer``); default ``$GSM8K_DATA_DIR`` or ``/work/shared/data/gsm8k``.
+and ``answer``); default ``$GSM8K_DATA_DIR`` or ``../shared/data/gsm8k`` beside the checkout.
 The task is lm-eval's own ``gsm8k`` (prompt, 5-shot from train, stop strings,
 strict / flexible answer extraction) with only its data source replaced: see
 ``benchmarks/gsm8k_task/gsm8k_local.yaml.template``.
@@ -32,7 +32,8 @@ from pathlib import Path
 
 TASK_NAME = "gsm8k_local"
 TASK_TEMPLATE = Path(__file__).resolve().parent / "gsm8k_task" / "gsm8k_local.yaml.template"
-DEFAULT_DATA_DIR = "/work/shared/data/gsm8k"
+# The offline copy kept beside the project checkout (never inside it).
+DEFAULT_DATA_DIR = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
 
 
 def default_data_dir() -> str:
