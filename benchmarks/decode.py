@@ -7,7 +7,9 @@ ranks 0 and W-1 (rank 0 holds the most KV, so it bounds the step), times
   grouped  one non-causal row per group of tokens with equal local bound,
   prefix   one non-causal segment per request over the request's first local
            bound, plus a Triton kernel for each token's <= q_len-1 tail keys
-           and the merge (time includes that kernel and nothing else extra),
+           and the merge (its time includes that kernel and the adapter's LSE
+           scaling and empty-row masking; the other variants are the bare
+           FlashInfer run),
   native   FlashInfer's own multi-token decode over the same local KV, one
            segment per request (causal for verify, non-causal for a draft);
            at W = 1 this is plain no-DCP decode. FlashInfer's FA3 planner

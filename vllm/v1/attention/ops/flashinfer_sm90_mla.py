@@ -9,10 +9,15 @@ row, non-causal) serves both causal speculative verification and the
 non-causal DSpark draft block under decode context parallelism on sm90.
 :class:`~vllm.v1.attention.ops.triton_dcp_metadata.GroupedDecode` rows (a run
 of query tokens sharing one local bound) are planned the same way, with the
-group's tokens as one ragged query segment.
+group's tokens as one ragged query segment. For causal verify,
+``plan_causal_prefix`` plans one segment per request over its first token's
+local bound (the KV is read once, as in FlashInfer's own multi-token decode)
+and ``causal_tail_merge`` (Triton) adds each token's at most ``q_len - 1``
+remaining local keys and merges the two partials.
 
 The adapter plans once per forward (``plan_flat`` / ``plan_grouped`` /
-``plan_requests``) and runs once per layer (``run``), returning
+``plan_causal_prefix`` / ``plan_requests``) and runs once per layer
+(``run``), returning
 ``(out [T, H, Dv], lse [T, H])`` per query token with the LSE in natural log
 and rows that hold no local KV masked (out 0, lse -inf), ready for
 ``dcp_decode.merge_partials``.
