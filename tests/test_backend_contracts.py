@@ -190,7 +190,9 @@ class FakeSm90MLA:
         self.flat = None
         FakeSm90MLA.instances.append(self)
 
-    def plan_flat(self, flat):
+    def plan_causal_prefix(self, flat, query_start_loc):
+        assert query_start_loc.dtype == torch.int32
+        assert int(query_start_loc[-1]) <= flat.num_rows
         self.plans += 1
         self.flat = flat
 

@@ -38,6 +38,7 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
             lens, ``arange`` query start locs, expanded block table,
             ``row_to_req``, global causal bounds and the ``empty`` mask. See
             ``vllm.v1.attention.ops.dcp_decode.FlatDecode``.
+        query_start_loc: int32 [R + 1], the decode requests' query offsets.
         causal: True for speculative verify (each token sees its prefix), False
             for a non-causal DSpark draft block (every token sees the block).
         max_query_len: the largest decode query length of the batch.
@@ -49,6 +50,7 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
     """
 
     flat: FlatDecode
+    query_start_loc: torch.Tensor
     causal: bool
     max_query_len: int
     dcp_rank: int
@@ -150,6 +152,7 @@ class DCPDecodeBuilderMixin:
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
             flat=flat,
+            query_start_loc=query_start_loc_device,
             causal=self._dcp_causal,
             max_query_len=int(query_lens.max()) if len(query_lens) else 0,
             dcp_rank=self.dcp_rank,

@@ -12,7 +12,12 @@ any ``--cp-kv-cache-interleave-size``:
   its local length; natural-log LSE.
 - sm90 (Hopper, which no upstream backend serves for a DSpark draft under
   DCP): FlashInfer's FA3 MLA (``BatchMLAPagedAttentionWrapper``), planned
-  once per forward over the rows and run by every layer; natural-log LSE.
+  once per forward and run by every layer; natural-log LSE. A request's
+  tokens share the local keys below its first token's bound, so the plan is
+  one segment per request over that prefix (the KV is read once, as in
+  FlashInfer's own multi-token decode) plus each causal token's short tail
+  (at most q_len - 1 keys), merged by a Triton kernel; a non-causal draft
+  block has no tail.
   On sm90 the rows are built at DCP size 1 too (the trtllm-gen path is
   sm100-only).
 
@@ -168,7 +173,8 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
                 kv_lora_rank=self.kv_lora_rank, rope_dim=self.qk_rope_head_dim)
             decode.kernel_state[key] = kernel
         if getattr(kernel, "planned_forward_id", None) != decode.forward_id:
-            kernel.plan_flat(decode.flat.slice(q.shape[0]))
+            kernel.plan_causal_prefix(decode.flat.slice(q.shape[0]),
+                                      decode.query_start_loc)
             kernel.planned_forward_id = decode.forward_id
         return kernel.run(q, kv_cache, mask_empty=False)
 
