@@ -8,42 +8,18 @@ runs when CUDA and flashinfer are both there.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import os
-import pathlib
 import sys
 import types
 
 import pytest
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
-
-def _load(name: str):
-    """The overlay module from this checkout: the installed copy when it is
-    identical to the repo file (or there is no repo file), else the repo
-    file itself (a stale installed overlay must not hide local changes)."""
-    path = REPO / "vllm/v1/attention/ops" / f"{name}.py"
-    try:
-        module = importlib.import_module(f"vllm.v1.attention.ops.{name}")
-        installed = pathlib.Path(module.__file__)
-        if not path.exists() or installed.read_bytes() == path.read_bytes():
-            return module
-    except ImportError:
-        pass
-    spec = importlib.util.spec_from_file_location(f"_overlay_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-dcp = _load("dcp_decode")
-fsm = _load("flashinfer_sm90_mla")
+from vllm.v1.attention.ops import dcp_decode as dcp
+from vllm.v1.attention.ops import flashinfer_sm90_mla as fsm
 
 try:
     import flashinfer.mla as real_fi_mla  # noqa: F401
@@ -185,7 +161,7 @@ def test_adapter_dcp_merge_with_fake(fake_flashinfer, causal, mode):
     grouped = mode == "grouped"
     tdm = None
     if grouped:
-        tdm = pytest.importorskip("triton") and _load("triton_dcp_metadata")
+        tdm = pytest.importorskip("vllm.v1.attention.ops.triton_dcp_metadata")
     if mode == "prefix" and not CAN_RUN_TRITON:
         pytest.skip("prefix+tail needs CUDA or TRITON_INTERPRET=1")
     device = "cuda" if torch.cuda.is_available() else "cpu"

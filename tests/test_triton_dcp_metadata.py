@@ -7,43 +7,18 @@ on the CPU against a plain-Python construction.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 FLAT_FIELDS = ("seq_lens", "query_start_loc", "row_to_req", "global_seq_lens",
                "empty")
 GROUP_FIELDS = ("seq_lens", "query_start_loc", "row_to_req", "empty",
                 "num_groups", "block_table")
 
+from vllm.v1.attention.ops import dcp_decode as dcp
 
-def _load(name: str):
-    """The overlay module from this checkout: the installed copy when it is
-    identical to the repo file (or there is no repo file), else the repo
-    file itself (a stale installed overlay must not hide local changes)."""
-    path = REPO / "vllm/v1/attention/ops" / f"{name}.py"
-    try:
-        module = importlib.import_module(f"vllm.v1.attention.ops.{name}")
-        installed = pathlib.Path(module.__file__)
-        if not path.exists() or installed.read_bytes() == path.read_bytes():
-            return module
-    except ImportError:
-        pass
-    spec = importlib.util.spec_from_file_location(f"_overlay_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-dcp = _load("dcp_decode")
 try:
-    tdm = _load("triton_dcp_metadata")
+    from vllm.v1.attention.ops import triton_dcp_metadata as tdm
 except ImportError as e:  # no triton on this machine
     tdm = None
     _why = str(e)

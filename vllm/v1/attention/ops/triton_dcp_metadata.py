@@ -151,8 +151,8 @@ def build_flat_decode_triton(
     Same contract and bit-equal output: row ``n`` of request ``i`` (query
     token ``t``) gets ``global_seq_lens = g_t`` (``L - q_len + 1 + t`` when
     ``causal``, ``L`` otherwise), ``seq_lens = local(g_t, rank)``,
-    ``row_to_req = i``, ``block_table = block_table[i]`` (first ``B`` columns
-    of ``out``; later columns are left untouched) and ``empty = seq_lens == 0``;
+    ``row_to_req = i``, ``block_table = block_table[i]`` (a view of the first
+    ``B`` columns of ``out``) and ``empty = seq_lens == 0``;
     ``query_start_loc = arange(N + 1)``. Rows at or beyond
     ``query_start_loc[-1]`` are padding: seq len 0, global 0, empty, and
     ``row_to_req`` / ``block_table`` of the last request (``R - 1``), exactly
@@ -183,7 +183,7 @@ def build_flat_decode_triton(
     assert out.block_table.shape[1] >= num_cols
     assert out.seq_lens.shape[0] >= num_rows
     assert block_table.stride(1) == 1 and out.block_table.stride(1) == 1
-    flat = out.slice(num_rows)
+    flat = out.slice(num_rows, num_cols)
     if num_reqs == 0:
         # Matches the torch path, which zeroes the whole table then.
         flat.block_table.zero_()

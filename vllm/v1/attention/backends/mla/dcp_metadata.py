@@ -69,7 +69,8 @@ class DCPDecodeBuilderMixin:
     unless ``rows_without_dcp`` is set (a kernel that only runs on rows).
     The flattened rows are written into persistent buffers sized for the
     largest decode batch, so a CUDA graph captured over ``build`` replays into
-    the same memory; the build makes no host sync.
+    the same memory; the build makes no host sync. On CUDA one fused Triton
+    launch fills them; elsewhere the torch path of the ops layer does.
     """
 
     rows_without_dcp: bool = False
@@ -106,6 +107,15 @@ class DCPDecodeBuilderMixin:
             return None  # larger than any graph: a fresh allocation is fine
         return rows
 
+    def _dcp_rows_builder(self):
+        if self.device.type == "cuda":
+            from vllm.v1.attention.ops.triton_dcp_metadata import (
+                build_flat_decode_triton,
+            )
+
+            return build_flat_decode_triton
+        return dcp_decode.build_flat_decode
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         self._dcp_causal = common_attn_metadata.causal is not False
         return super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -135,7 +145,7 @@ class DCPDecodeBuilderMixin:
         if dcp_tot_seq_lens_device is None:  # DCP size 1: local is global
             dcp_tot_seq_lens_device = seq_lens_device
         max_blocks = block_table_tensor.shape[1]
-        flat = dcp_decode.build_flat_decode(
+        flat = self._dcp_rows_builder()(
             dcp_tot_seq_lens_device,
             query_start_loc_device,
             block_table_tensor,
