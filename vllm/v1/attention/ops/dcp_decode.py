@@ -15,6 +15,7 @@ Shapes use these names:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -224,7 +225,7 @@ def merge_partials(
     """
     lse = lses.float()
     if not lse_base_e:
-        lse = lse * torch.log(torch.tensor(2.0))
+        lse = lse * math.log(2.0)
     lse = torch.where(torch.isfinite(lse), lse, float("-inf"))
     lse_max = lse.amax(dim=0)
     lse_max = torch.where(torch.isfinite(lse_max), lse_max, 0.0)
@@ -235,7 +236,7 @@ def merge_partials(
     partial = torch.where(scale[..., None] > 0, outs.float(), 0.0)
     merged = (scale[..., None] * partial).sum(dim=0).to(outs.dtype)
     if not lse_base_e:
-        merged_lse = merged_lse / torch.log(torch.tensor(2.0))
+        merged_lse = merged_lse / math.log(2.0)
     return merged, merged_lse
 
 
