@@ -272,6 +272,13 @@ def test_plugin_registers_the_dcp_backends():
     for cls in (fi.get_builder_cls(), ts.get_builder_cls()):
         assert cls.supports_non_causal_multi_token_decode
         assert cls.supports_non_causal_multi_token_dcp
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    builder = fi.get_builder_cls()
+    checks = Backend("FLASHINFER_MLA").module.checks
+    for major, support in ((9, AttentionCGSupport.NEVER), (10, AttentionCGSupport.ALWAYS)):
+        with mock.patch.object(checks, "current_gpu_major", return_value=major):
+            assert builder.get_cudagraph_support(None, None) == support
 
 
 def backend_path(module, cls):

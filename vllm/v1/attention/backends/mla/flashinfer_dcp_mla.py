@@ -37,7 +37,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
 from vllm.platforms.interface import DeviceCapability
 from vllm.utils.torch_utils import is_quantized_kv_cache
-from vllm.v1.attention.backend import AttentionLayer
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 from vllm.v1.attention.backends.mla.dcp_combine import (
     mask_empty_rows_,
@@ -90,6 +90,14 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             self, kv_cache_spec, layer_names, vllm_config, device,
             FlashInferMLAMetadata, supports_dcp_with_varlen=True)
         self._init_dcp_rows()
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # FA3 MLA plans on the host (it syncs on the indptrs) once per forward,
+        # inside the first layer: not capturable in a CUDA graph.
+        if checks.current_gpu_major() == 9:
+            return AttentionCGSupport.NEVER
+        return super().get_cudagraph_support(vllm_config, kv_cache_spec)
 
 
 class FlashInferDCPMLAImpl(FlashInferMLAImpl):
