@@ -74,7 +74,25 @@ def _check_common(query, block_tables, seq_lens, kv_lora_rank, rope_dim):
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (query.shape[0],)
 
 
-class TrtllmMLAReference:
+class _SignatureBoundKernel:
+    """Binds every call to the installed kernel's signature and checks the
+    arguments all MLA decode kernels share; subclasses compute the result."""
+
+    def __init__(self, module: str, function: str):
+        self.signature = inspect.signature(getattr(import_on_cpu(module), function))
+        self.calls: list[dict] = []
+
+    def _bind(self, args, kwargs) -> dict:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        self.calls.append(a)
+        _check_common(a["query"], a["block_tables"], a["seq_lens"], a["kv_lora_rank"],
+                      a["qk_rope_head_dim"])
+        return a
+
+
+class TrtllmMLAReference(_SignatureBoundKernel):
     """``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` on CPU.
 
     Fixed-Q layout only (``cum_seq_lens_q`` unset): query [B, q_len, H, D],
@@ -85,18 +103,11 @@ class TrtllmMLAReference:
     """
 
     def __init__(self):
-        decode = import_on_cpu("flashinfer.decode")
-        self.signature = inspect.signature(decode.trtllm_batch_decode_with_kv_cache_mla)
-        self.calls: list[dict] = []
+        super().__init__("flashinfer.decode", "trtllm_batch_decode_with_kv_cache_mla")
 
     def __call__(self, *args, **kwargs):
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        self.calls.append(a)
+        a = self._bind(args, kwargs)
         query, kv_cache = a["query"], a["kv_cache"]
-        _check_common(query, a["block_tables"], a["seq_lens"], a["kv_lora_rank"],
-                      a["qk_rope_head_dim"])
         assert kv_cache.ndim == 4 and kv_cache.shape[1] == 1, "kv_cache [P, 1, page, D]"
         assert kv_cache.dtype == query.dtype
         assert a["cum_seq_lens_q"] is None, "stub covers the fixed-Q layout"
@@ -119,7 +130,7 @@ class TrtllmMLAReference:
         return (out, lse) if a["return_lse"] else out
 
 
-class TokenspeedMLAReference:
+class TokenspeedMLAReference(_SignatureBoundKernel):
     """``tokenspeed_mla.tokenspeed_mla_decode`` on CPU.
 
     query [B, q_len, H, D], kv_cache [P, page, D]. Token ``t`` of request
@@ -132,18 +143,11 @@ class TokenspeedMLAReference:
     """
 
     def __init__(self):
-        module = import_on_cpu("tokenspeed_mla.mla_decode")
-        self.signature = inspect.signature(module.tokenspeed_mla_decode)
-        self.calls: list[dict] = []
+        super().__init__("tokenspeed_mla.mla_decode", "tokenspeed_mla_decode")
 
     def __call__(self, *args, **kwargs):
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        self.calls.append(a)
+        a = self._bind(args, kwargs)
         query, kv_cache = a["query"], a["kv_cache"]
-        _check_common(query, a["block_tables"], a["seq_lens"], a["kv_lora_rank"],
-                      a["qk_rope_head_dim"])
         assert kv_cache.ndim == 3 and kv_cache.dtype == query.dtype
         assert query.shape[1] <= 8, "tokenspeed decodes at most 8 query tokens"
         query_len = query.shape[1]

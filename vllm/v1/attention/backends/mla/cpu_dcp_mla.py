@@ -28,6 +28,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
@@ -122,7 +123,7 @@ class CPUDCPMLAImpl(CPUMLAImpl):
         rows = decode.flat
         num_rows = q.shape[0]
         assert rows.num_rows >= num_rows
-        return mla_decode_reference(
+        out, lse = mla_decode_reference(
             q,
             kv_c_and_k_pe_cache,
             rows.block_table[:num_rows],
@@ -130,6 +131,7 @@ class CPUDCPMLAImpl(CPUMLAImpl):
             kv_lora_rank=self.kv_lora_rank,
             scale=self.scale,
         )
+        return finish_rows_decode(self, out, lse, rows, layer)
 
 
 class CPUDCPMLABackend(CPUMLABackend):

@@ -20,12 +20,13 @@ def mask_empty_rows_(out: torch.Tensor, lse: torch.Tensor, flat: FlatDecode) -> 
     """Neutralise rows where this rank holds no KV, in place.
 
     Args:
-        out: [N', H, Dv] partial outputs, N' >= N rows (extra rows: padding).
+        out: [N', H, Dv] partial outputs; rows past the metadata's N are
+            padding.
         lse: [N', H] partial LSEs (any base).
         flat: the forward's rows (N of them).
     """
-    num_rows = flat.num_rows
-    empty = flat.empty
+    num_rows = min(flat.num_rows, out.shape[0])
+    empty = flat.empty[:num_rows]
     lse[:num_rows].masked_fill_(empty[:, None], float("-inf"))
     out[:num_rows].masked_fill_(empty[:, None, None], 0.0)
     if lse.shape[0] > num_rows:
@@ -51,3 +52,20 @@ def route_combine_through_rows(layer) -> None:
 
     manager.combine = combine
     manager.combine_masked_by_rows = True
+
+
+def finish_rows_decode(impl, out: torch.Tensor, lse: torch.Tensor, rows: FlatDecode,
+                       layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What every DCP backend does after its kernel: mask the empty rows,
+    route the layer's combine through that mask, hand LSE over if wanted.
+
+    Args:
+        impl: the attention impl (``dcp_world_size``,
+            ``need_to_return_lse_for_decode``).
+        out: [N, H, Dv] kernel output; lse: [N, H] kernel LSE.
+        rows: the forward's ``DCPDecodeMetadata.flat``.
+    """
+    mask_empty_rows_(out, lse, rows)
+    if impl.dcp_world_size > 1:
+        route_combine_through_rows(layer)
+    return out, (lse if impl.need_to_return_lse_for_decode else None)

@@ -39,10 +39,7 @@ from vllm.platforms.interface import DeviceCapability
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
-from vllm.v1.attention.backends.mla.dcp_combine import (
-    mask_empty_rows_,
-    route_combine_through_rows,
-)
+from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
@@ -137,10 +134,7 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
         else:
             out, lse = self._decode_rows_sm100(q, kv_c_and_k_pe_cache, decode,
                                                attn_metadata.max_seq_len, layer)
-        mask_empty_rows_(out, lse, decode.flat)
-        if self.dcp_world_size > 1:
-            route_combine_through_rows(layer)
-        return out, (lse if self.need_to_return_lse_for_decode else None)
+        return finish_rows_decode(self, out, lse, decode.flat, layer)
 
     def _decode_rows_sm100(self, q, kv_cache, decode: DCPDecodeMetadata,
                            max_seq_len: int, layer: AttentionLayer):

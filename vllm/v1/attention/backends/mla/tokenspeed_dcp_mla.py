@@ -22,10 +22,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
-from vllm.v1.attention.backends.mla.dcp_combine import (
-    mask_empty_rows_,
-    route_combine_through_rows,
-)
+from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
@@ -126,10 +123,7 @@ class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
         )
         out = out.view(num_tokens, num_heads, -1)
         lse = lse.view(num_tokens, num_heads)
-        mask_empty_rows_(out, lse, decode.flat)
-        if self.dcp_world_size > 1:
-            route_combine_through_rows(layer)
-        return out, (lse if self.need_to_return_lse_for_decode else None)
+        return finish_rows_decode(self, out, lse, decode.flat, layer)
 
 
 class TokenspeedDCPMLABackend(TokenspeedMLABackend):
