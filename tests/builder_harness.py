@@ -120,23 +120,78 @@ def make_builder(builder_cls, vllm_config, *, layer_names=("model.layers.0.attn"
                            torch.device("cpu"), **kwargs)
 
 
+def _offsets(query_lens) -> torch.Tensor:
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.as_tensor(query_lens, dtype=torch.int32), 0)
+    return qsl
+
+
 def common_metadata(seq_lens, query_lens, block_table, *, world_size, rank,
-                    interleave, causal=True):
-    """vLLM's ``CommonAttentionMetadata`` of a decode batch on one DCP rank."""
+                    interleave, causal=True, host_query_lens=None,
+                    max_query_len=None):
+    """vLLM's ``CommonAttentionMetadata`` of a decode batch on one DCP rank.
+
+    ``query_lens`` are the device query lengths (what the model runs).
+    ``host_query_lens`` (same total) stand for Model Runner V2's adaptive
+    verification, which spreads the draft budget evenly on the host while the
+    device offsets are ragged; ``max_query_len`` is the bound vLLM promises
+    (the host upper bound before the trim), ``max(query_lens)`` by default.
+    """
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens
 
     seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32)
-    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.as_tensor(query_lens, dtype=torch.int32), 0)
+    qsl = _offsets(query_lens)
+    qsl_cpu = qsl.clone() if host_query_lens is None else _offsets(host_query_lens)
+    assert int(qsl_cpu[-1]) == int(qsl[-1]), "host and device totals must agree"
     num_tokens = int(qsl[-1])
     return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens,
+        query_start_loc=qsl, query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens,
         num_reqs=len(query_lens), num_actual_tokens=num_tokens,
-        max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+        max_query_len=max_query_len or max(query_lens),
+        max_seq_len=int(seq_lens.max()),
         block_table_tensor=block_table,
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
         causal=causal,
         dcp_local_seq_lens=dcp_local_seq_lens(seq_lens, world_size, rank, interleave),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
+
+
+def attention_group(backend_cls, vllm_config, layer_names, *, non_causal=False):
+    """vLLM's ``AttentionGroup`` of one MLA KV-cache group, its metadata
+    builder created by vLLM's own ``create_metadata_builders``."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from vllm.v1.worker.utils import AttentionGroup
+
+    register_fake_mla_layers(vllm_config, layer_names, non_causal=non_causal)
+    spec = MLAAttentionSpec(block_size=vllm_config.cache_config.block_size,
+                            num_kv_heads=1, head_size=KV_LORA_RANK + ROPE_DIM,
+                            dtype=torch.float32)
+    group = AttentionGroup(backend_cls, list(layer_names), spec, 0)
+    with set_current_vllm_config(vllm_config):
+        group.create_metadata_builders(vllm_config, torch.device("cpu"))
+    return group
+
+
+def step_metadata(group, common) -> dict:
+    """One forward step's ``{layer_name: metadata}``, built the way Model
+    Runner V2 builds it (``v1/worker/gpu/attn_utils.build_attn_metadata``):
+    one ``build`` per KV-cache group, the result handed to every layer."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+
+    kv_cache_config = KVCacheConfig(
+        num_blocks=0, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(group.layer_names, group.kv_cache_spec)])
+    return build_attn_metadata(
+        attn_groups=[[group]], num_reqs=common.num_reqs,
+        num_tokens=common.num_actual_tokens,
+        query_start_loc_gpu=common.query_start_loc,
+        query_start_loc_cpu=common.query_start_loc_cpu,
+        max_query_len=common.max_query_len, seq_lens=common.seq_lens,
+        max_seq_len=common.max_seq_len, block_tables=[common.block_table_tensor],
+        slot_mappings=common.slot_mapping[None], kv_cache_config=kv_cache_config,
+        seq_lens_cpu_upper_bound=common.seq_lens_cpu_upper_bound,
+        dcp_local_seq_lens=common.dcp_local_seq_lens, causal=common.causal)
