@@ -41,7 +41,9 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
         query_start_loc: int32 [R + 1], the decode requests' query offsets.
         causal: True for speculative verify (each token sees its prefix), False
             for a non-causal DSpark draft block (every token sees the block).
-        max_query_len: the largest decode query length of the batch.
+        max_query_len: the bound vLLM promises on every decode request's
+            query length (the builder's argument); the device offsets may be
+            ragged below it even where the host offsets are uniform.
         dcp_rank, dcp_world_size, interleave: the layout the rows were built for.
         forward_id: distinct for every ``build``; a kernel that plans per
             forward (FlashInfer's Hopper MLA) re-plans when it changes.
@@ -156,7 +158,6 @@ class DCPDecodeBuilderMixin:
             num_rows=num_decode_tokens,
             out=self._dcp_row_buffers(num_decode_tokens, max_blocks),
         )
-        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
         return DCPDecodeMetadata(
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
@@ -164,7 +165,10 @@ class DCPDecodeBuilderMixin:
             flat=flat,
             query_start_loc=query_start_loc_device,
             causal=self._dcp_causal,
-            max_query_len=int(query_lens.max()) if len(query_lens) else 0,
+            # vLLM's promise, not a measurement of the host offsets: under
+            # adaptive verification those are even while the device ones are
+            # ragged, and a CUDA graph must be sized for the bound.
+            max_query_len=max_query_len,
             dcp_rank=self.dcp_rank,
             dcp_world_size=self.dcp_world_size,
             interleave=self.cp_kv_cache_interleave_size,
