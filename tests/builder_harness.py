@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
 import torch
 
-from dense_reference import KV_LORA_RANK, ROPE_DIM
+from dense_reference import KV_LORA_RANK, ROPE_DIM, random_decode_batch
 
 TINY_MLA_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
@@ -31,14 +32,15 @@ TINY_MLA_CONFIG = {
 
 
 def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
-                     block_size: int = 16, num_speculative_tokens: int = 0):
+                     block_size: int = 16, num_speculative_tokens: int = 0,
+                     max_model_len: int = 4096):
     from vllm.config import (CacheConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig, VllmConfig)
 
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
-                        dtype="float32", max_model_len=4096)
+                        dtype="float32", max_model_len=max_model_len)
     parallel = ParallelConfig(tensor_parallel_size=dcp,
                               decode_context_parallel_size=dcp,
                               cp_kv_cache_interleave_size=interleave)
@@ -51,7 +53,7 @@ def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
     config = VllmConfig(model_config=model, parallel_config=parallel,
                         cache_config=CacheConfig(block_size=block_size),
                         scheduler_config=SchedulerConfig(
-                            max_model_len=4096, is_encoder_decoder=False,
+                            max_model_len=max_model_len, is_encoder_decoder=False,
                             max_num_batched_tokens=4096, max_num_seqs=64),
                         speculative_config=speculative)
     # The CPU platform forces CPU_MLA's block size 16; the GPU backends
@@ -158,9 +160,11 @@ def common_metadata(seq_lens, query_lens, block_table, *, world_size, rank,
     )
 
 
-def attention_group(backend_cls, vllm_config, layer_names, *, non_causal=False):
+def attention_group(backend_cls, vllm_config, layer_names, *, non_causal=False,
+                    kernel_block_size=None):
     """vLLM's ``AttentionGroup`` of one MLA KV-cache group, its metadata
-    builder created by vLLM's own ``create_metadata_builders``."""
+    builder created by vLLM's own ``create_metadata_builders`` (with
+    ``kernel_block_size``, as for a backend paging finer than the group)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
     from vllm.v1.worker.utils import AttentionGroup
@@ -171,7 +175,8 @@ def attention_group(backend_cls, vllm_config, layer_names, *, non_causal=False):
                             dtype=torch.float32)
     group = AttentionGroup(backend_cls, list(layer_names), spec, 0)
     with set_current_vllm_config(vllm_config):
-        group.create_metadata_builders(vllm_config, torch.device("cpu"))
+        group.create_metadata_builders(vllm_config, torch.device("cpu"),
+                                       kernel_block_size=kernel_block_size)
     return group
 
 
@@ -195,3 +200,45 @@ def step_metadata(group, common) -> dict:
         slot_mappings=common.slot_mapping[None], kv_cache_config=kv_cache_config,
         seq_lens_cpu_upper_bound=common.seq_lens_cpu_upper_bound,
         dcp_local_seq_lens=common.dcp_local_seq_lens, causal=common.causal)
+
+
+def _rounded(batch, dtype):
+    """The batch as a kernel of ``dtype`` sees it: q and KV stored in it."""
+    batch.q = batch.q.to(dtype).float()
+    null = batch.kv_cache[0].clone()
+    batch.kv_cache = batch.kv_cache.to(dtype).float()
+    batch.kv_cache[0] = null
+    return batch
+
+
+def layer_batches(seq_lens, query_lens, *, num_layers, seed, block_size,
+                  num_heads, dtype=torch.float32):
+    """One decode batch per MLA layer: the same requests and block tables
+    (one metadata object serves them all), different q and KV contents, so
+    a layer computing on another layer's or forward's data is seen."""
+    base = random_decode_batch(seq_lens, query_lens, block_size=block_size,
+                               num_heads=num_heads, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(num_layers):
+        kv_cache = torch.randn(base.kv_cache.shape, generator=gen)
+        kv_cache[0] = float("nan")
+        q = torch.randn(base.q.shape, generator=gen)
+        batches.append(_rounded(replace(base, kv_cache=kv_cache, q=q), dtype))
+    return batches
+
+
+def shard_layers(batches, world_size, interleave):
+    """Each layer's per-rank ``(cache, table)``; every layer gets the same
+    local block tables (the shuffle is seeded), as one KV-cache group's
+    layers do."""
+    from vllm.v1.attention.ops.dcp_decode import shard_paged_kv
+
+    per_layer = [shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
+                                world_size=world_size, interleave=interleave,
+                                generator=torch.Generator().manual_seed(7))
+                 for batch in batches]
+    for shards in per_layer[1:]:
+        for (_, table), (_, table0) in zip(shards, per_layer[0]):
+            assert torch.equal(table, table0)
+    return per_layer

@@ -2,17 +2,20 @@
 """FlashInfer-MLA and Tokenspeed DCP backends on CPU, kernels stood in by
 reference adapters bound to the installed kernels' signatures.
 
-For simulated W in {2, 4, 8}: each rank's real builder fills the per-forward
-metadata from vLLM's ``CommonAttentionMetadata``, the real impl's
-``forward_mqa`` runs every layer of a multi-layer forward on that one
-metadata object, and the ranks' partials merge to full attention.
+For simulated W in {2, 4, 8}, the way Model Runner V2 drives them: each
+rank's builder is made by vLLM's ``AttentionGroup.create_metadata_builders``
+and run by vLLM's ``build_attn_metadata`` once per forward, which hands the
+one metadata object to every layer; the real impl's ``forward_mqa`` runs each
+layer on its own q and KV, over two forwards of different batches, and every
+layer's merged partials equal full attention over that layer's inputs
+(``tests/dense_reference.py``). The flattened rows are counted: one build
+per forward and rank, whatever the number of layers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import replace
 from types import SimpleNamespace
 from unittest import mock
 
@@ -20,7 +23,10 @@ import pytest
 import torch
 
 from builder_harness import (attention_group, common_metadata, fake_dcp_group,
-                             make_builder, make_vllm_config, step_metadata)
+                             make_builder, make_vllm_config, shard_layers,
+                             step_metadata)
+from builder_harness import _rounded
+from builder_harness import layer_batches as harness_layer_batches
 from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
 from kernel_stubs import TokenspeedMLAReference, TrtllmMLAReference, import_on_cpu
 from vllm.v1.attention.ops import dcp_decode
@@ -95,43 +101,10 @@ def _layer():
                            dcp_manager=SimpleNamespace(combine=upstream_combine))
 
 
-def _rounded(batch, dtype):
-    """The batch as the kernel sees it: q and KV stored in ``dtype``."""
-    batch.q = batch.q.to(dtype).float()
-    null = batch.kv_cache[0].clone()
-    batch.kv_cache = batch.kv_cache.to(dtype).float()
-    batch.kv_cache[0] = null
-    return batch
-
-
 def layer_batches(seq_lens, query_lens, dtype, *, num_layers, seed):
-    """One decode batch per MLA layer: the same requests and block tables
-    (one metadata object serves them all), different q and KV contents."""
-    base = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
-                               num_heads=NUM_HEADS, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    batches = []
-    for _ in range(num_layers):
-        kv_cache = torch.randn(base.kv_cache.shape, generator=gen)
-        kv_cache[0] = float("nan")
-        q = torch.randn(base.q.shape, generator=gen)
-        batches.append(_rounded(replace(base, kv_cache=kv_cache, q=q), dtype))
-    return batches
-
-
-def shard_layers(batches, world_size, interleave):
-    """Each layer's per-rank caches; every layer gets the same local block
-    tables (the shuffle is seeded), as one KV-cache group's layers do."""
-    per_layer = []
-    for batch in batches:
-        per_layer.append(dcp_decode.shard_paged_kv(
-            batch.kv_cache, batch.block_table, batch.seq_lens,
-            world_size=world_size, interleave=interleave,
-            generator=torch.Generator().manual_seed(7)))
-    for shards in per_layer[1:]:
-        for (_, table), (_, table0) in zip(shards, per_layer[0]):
-            assert torch.equal(table, table0)
-    return per_layer
+    return harness_layer_batches(seq_lens, query_lens, num_layers=num_layers,
+                                 seed=seed, block_size=BLOCK_SIZE,
+                                 num_heads=NUM_HEADS, dtype=dtype)
 
 
 def merge_ranks(impl, outs, lses):
