@@ -127,14 +127,21 @@ CASES = {  # (seq_lens, query_lens) per (causal, batch shape)
 }
 
 
-def next_step(seq_lens, query_lens, shape):
-    """The batch of the following forward: one request fewer, every other
-    one 5 tokens longer, a query length one shorter unless ragged, so a
-    layer reading the previous forward's metadata gets other row counts,
-    bounds and block tables."""
-    shorter = 0 if shape == "ragged" else 1
-    return ([s + 5 if q else 0 for s, q in zip(seq_lens[1:], query_lens[1:])],
-            [max(q - shorter, 1) if q else 0 for q in query_lens[1:]])
+def next_step(seq_lens, query_lens):
+    """The batch of the following forward: every request 5 tokens longer and
+    one request more (the first padding slot filled, or appended) with the
+    batch's query length, so a layer reading the previous forward's metadata
+    gets fewer rows, other bounds and other block tables than it needs."""
+    seq_lens = [s + 5 if q else 0 for s, q in zip(seq_lens, query_lens)]
+    query_lens = list(query_lens)
+    new_query_len = max(query_lens)
+    if 0 in query_lens:
+        slot = query_lens.index(0)
+        seq_lens[slot], query_lens[slot] = 90, new_query_len
+    else:
+        seq_lens.append(90)
+        query_lens.append(new_query_len)
+    return seq_lens, query_lens
 
 
 def run_steps(tmp_path, backend, steps, *, world_size, interleave, causal,
@@ -233,7 +240,7 @@ def test_forward_mqa_merges_to_full_attention(tmp_path, backend, world_size,
         pytest.skip("Tokenspeed takes uniform query lengths (QueryLenSupport.UNIFORM)")
     seq_lens, query_lens = CASES[causal, shape]
     steps = [(seq_lens, query_lens, {}),
-             (*next_step(seq_lens, query_lens, shape), {})]
+             (*next_step(seq_lens, query_lens), {})]
     results = run_steps(tmp_path, backend, steps, world_size=world_size,
                         interleave=interleave, causal=causal, seed=world_size)
     for batches, merged, rows_built in results:

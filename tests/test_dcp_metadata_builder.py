@@ -166,8 +166,8 @@ def test_one_row_build_per_forward_each_layer_its_own_data(tmp_path, monkeypatch
 @pytest.mark.parametrize(
     "world_size,block_size,kernel_block_size,max_model_len,capture", [
         (2, 16, None, 4096, None),
-        (4, 64, None, 4000, None),  # 128-token alignment rounds the width up
-        (8, 16, None, 1000, 300),   # CUDA graphs pad decode batches to 300
+        (4, 64, None, 2800, None),  # 128-token alignment: 11 blocks -> 12
+        (8, 16, None, 2900, 300),   # 23 blocks -> 24; graphs pad decodes to 300
         (4, 64, 32, 4096, None),    # the backend pages finer than the group
     ])
 def test_row_buffers_sized_once_from_vllm_bounds(tmp_path, world_size, block_size,
