@@ -140,7 +140,7 @@ def common_metadata(seq_lens, query_lens, block_table, *, world_size, rank,
     (the host upper bound before the trim), ``max(query_lens)`` by default.
     """
     from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
     seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32)
     qsl = _offsets(query_lens)
@@ -155,7 +155,8 @@ def common_metadata(seq_lens, query_lens, block_table, *, world_size, rank,
         block_table_tensor=block_table,
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
         causal=causal,
-        dcp_local_seq_lens=dcp_local_seq_lens(seq_lens, world_size, rank, interleave),
+        dcp_local_seq_lens=get_dcp_local_seq_lens(seq_lens, world_size, rank,
+                                                  interleave),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
 
@@ -242,3 +243,16 @@ def shard_layers(batches, world_size, interleave):
         for (_, table), (_, table0) in zip(shards, per_layer[0]):
             assert torch.equal(table, table0)
     return per_layer
+
+
+def expected_local_row_lens(seq_lens, query_lens, *, world_size, rank, interleave,
+                            causal) -> torch.Tensor:
+    """int32 [T]: local KV tokens of every query token, from the bound's
+    definition (token t of n sees L - n + 1 + t global tokens when causal, L
+    otherwise, at least 0) and vLLM's ``get_dcp_local_seq_lens``."""
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    bounds = [max(seq_len - q_len + 1 + t if causal else seq_len, 0)
+              for seq_len, q_len in zip(seq_lens, query_lens) for t in range(q_len)]
+    return get_dcp_local_seq_lens(torch.tensor(bounds, dtype=torch.int32),
+                                  world_size, rank, interleave)

@@ -22,9 +22,9 @@ from unittest import mock
 import pytest
 import torch
 
-from builder_harness import (attention_group, common_metadata, fake_dcp_group,
-                             make_builder, make_vllm_config, shard_layers,
-                             step_metadata)
+from builder_harness import (attention_group, common_metadata,
+                             expected_local_row_lens, fake_dcp_group, make_builder,
+                             make_vllm_config, shard_layers, step_metadata)
 from builder_harness import _rounded
 from builder_harness import layer_batches as harness_layer_batches
 from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
@@ -198,6 +198,12 @@ def run_steps(tmp_path, backend, steps, *, world_size, interleave, causal,
                                          **kwargs)
                 builds.clear()
                 metadata = step_metadata(group, common)
+                # The rows against vLLM's own layout helper, not the ops layer.
+                rows = metadata[layer_names[0]].decode.flat
+                expected = expected_local_row_lens(
+                    seq_lens, query_lens, world_size=world_size, rank=rank,
+                    interleave=interleave, causal=causal)
+                assert torch.equal(rows.seq_lens[:len(expected)], expected)
                 for name, layer, batch, layer_shards, (outs, lses) in zip(
                         layer_names, layers, batches, shards, partials[step]):
                     out, lse = impl.forward_mqa(
