@@ -7,13 +7,13 @@ verify block (``causal_mask=True``) and the non-causal DSpark draft block
 (``causal_mask=False``) run as ``[requests, q_len]`` queries with the global
 bounds (``causal_seqs``), ``cp_world``, ``cp_rank`` and ``cp_interleave_size``
 taken from the per-forward ``DCPDecodeMetadata``. A batch that does not fill
-requests x vLLM's query-length bound (CUDA-graph padding, ragged device
-offsets) runs as one single-token query per flattened row, bounded by the
+requests x vLLM's query-length bound (CUDA-graph padding, ragged query
+lengths) runs as one single-token query per flattened row, bounded by the
 row's local length. Under DCP the backend declares host/device query-length
-mismatches (adaptive verification) unsupported. The kernel's LSE is base 2; rows where
-this rank holds no KV are masked from the metadata (out 0, LSE -inf), which
-also covers rows whose per-token bound is 0 while their request's local
-length is not.
+mismatches (adaptive verification) unsupported. The kernel's LSE is base 2;
+rows where this rank holds no KV are masked from the metadata (out 0, LSE
+-inf), which also covers rows whose per-token bound is 0 while their
+request's local length is not.
 """
 
 from __future__ import annotations
@@ -99,10 +99,10 @@ class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
             self.softmax_scale = self.scale * layer._q_scale_float * layer._k_scale_float
             self.output_scale = layer._k_scale_float
 
-        # Every request's device query length is at most vLLM's bound and
-        # they sum to num_tokens, so only a batch whose requests all sit at
-        # the bound fills R x bound: the fused [R, q_len] view is right for
-        # the device offsets, whatever the host offsets say.
+        # vLLM's bound, not the host offsets: no request exceeds it, so R x
+        # bound tokens means every real request sits at the bound (in a
+        # uniform CUDA graph, zero-length padding requests take the padding
+        # tokens and their rows are empty); anything else runs on the rows.
         uniform = num_tokens == num_reqs * decode.max_query_len
         if uniform:
             query = q.view(num_reqs, decode.max_query_len, num_heads, q.shape[-1])
