@@ -198,6 +198,8 @@ class VllmServer:
     # Seconds the server's children get to follow it out (vLLM's workers
     # exit when their parent does) before they are killed.
     LEFTOVER_GRACE_S = 5.0
+    # Seconds the process group gets after SIGTERM, once the server is stuck.
+    GROUP_TERM_WAIT_S = 15.0
 
     def __init__(self, command: list[str], *, host: str = "127.0.0.1",
                  port: int = 8000, env: dict[str, str] | None = None,
@@ -291,7 +293,7 @@ class VllmServer:
         if proc is None:
             return None
         steps = ((lambda: proc.send_signal(signal.SIGTERM), self.stop_grace_s),
-                 (lambda: os.killpg(proc.pid, signal.SIGTERM), 15.0),
+                 (lambda: os.killpg(proc.pid, signal.SIGTERM), self.GROUP_TERM_WAIT_S),
                  (lambda: os.killpg(proc.pid, signal.SIGKILL), 15.0))
         for send, wait_s in steps:
             if proc.poll() is not None:
@@ -307,10 +309,14 @@ class VllmServer:
         deadline = time.monotonic() + self.LEFTOVER_GRACE_S
         while _group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if _group_alive(proc.pid):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            deadline = time.monotonic() + 5.0
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
         if self._echo is not None:
             self._echo.join(timeout=10)
         return code
@@ -323,11 +329,22 @@ class VllmServer:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    """Whether process group ``pgid`` has a live (not zombie) member."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
