@@ -52,7 +52,8 @@ CPU_UNSUPPORTED = [
                          ids=[",".join(f"{k}={v}" for k, v in f.items())
                               for f, _ in CPU_UNSUPPORTED])
 def test_cpu_rejects_at_config_time(model_dir, flags, texts):
-    with pytest.raises(ValueError, match="CPU_MLA cannot serve") as error:
+    with pytest.raises(ValueError, match=r"CPU_MLA \(chosen by vLLM on this CPU\) "
+                                         "cannot serve") as error:
         engine_config(model_dir, **flags)
     for text in texts:
         assert text in str(error.value)
@@ -92,13 +93,21 @@ def test_cpu_with_amx_asks_for_cpu_mla(model_dir):
             selector._cached_get_attn_backend.cache_clear()
 
 
-@pytest.fixture(scope="module")
-def gpu_backends_importable():
-    """The GPU backends' modules, imported on CPU as an sm100 would."""
+@pytest.mark.parametrize("backend", ["FLASHINFER_MLA", "TOKENSPEED_MLA"])
+def test_default_block_size_table_is_vllms(backend):
+    """The table the config-time check reads is what vLLM's selection picks."""
     from kernel_stubs import import_on_cpu
+    from vllm.config.cache import CacheConfig
+    from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_dcp_mla")
-    import_on_cpu("vllm.v1.attention.backends.mla.tokenspeed_dcp_mla")
+    module = {"FLASHINFER_MLA": "flashinfer_dcp_mla",
+              "TOKENSPEED_MLA": "tokenspeed_dcp_mla"}[backend]
+    import_on_cpu(f"vllm.v1.attention.backends.mla.{module}")
+    backend_cls = AttentionBackendEnum[backend].get_class()
+    assert backend_cls.__module__.endswith(module)  # the plugin's override
+    assert checks.DEFAULT_BLOCK_SIZE[backend] == backend_cls.get_preferred_block_size(
+        CacheConfig.DEFAULT_BLOCK_SIZE)
 
 
 def gpu_engine_config(model_dir, **flags):
@@ -128,15 +137,16 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 # (engine flags, GPU major, texts the error must contain); None: accepted
 GPU_CASES = [
     (dict(attention_backend="FLASHINFER_MLA", kv_cache_dtype="fp8"), 9,
-     ["FLASHINFER_MLA cannot serve", "--kv-cache-dtype auto",
-      "chosen by --attention-backend"]),
+     ["FLASHINFER_MLA (chosen by --attention-backend) cannot serve",
+      "--kv-cache-dtype auto"]),
     (dict(attention_backend="FLASHINFER_MLA"), 8, ["--attention-backend"]),
     (dict(attention_backend="TOKENSPEED_MLA"), 10,
-     ["TOKENSPEED_MLA cannot serve", "--kv-cache-dtype fp8"]),
+     ["TOKENSPEED_MLA (chosen by --attention-backend) cannot serve",
+      "--kv-cache-dtype fp8"]),
     (dict(speculative_config=dict(NGRAM, attention_backend="TOKENSPEED_MLA"),
           kv_cache_dtype="fp8"), 9,
-     ["TOKENSPEED_MLA cannot serve", "FLASHINFER_MLA",
-      "chosen by attention_backend in --speculative-config"]),
+     ["TOKENSPEED_MLA (chosen by attention_backend in --speculative-config) "
+      "cannot serve", "FLASHINFER_MLA"]),
     # FlashInfer pages by 32 unless told: interleave 64 cannot divide it ...
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=64), 10,
      ["--cp-kv-cache-interleave-size 64 must divide --block-size 32"]),
@@ -157,8 +167,7 @@ GPU_CASES = [
                                                      if k != "speculative_config")
                               + ("-draft" if "speculative_config" in f else "")
                               for f, m, _ in GPU_CASES])
-def test_gpu_backends_checked_at_config_time(model_dir, gpu_backends_importable,
-                                             flags, major, texts):
+def test_gpu_backends_checked_at_config_time(model_dir, flags, major, texts):
     config = gpu_engine_config(model_dir, **flags)
     if texts is None:
         check_as_gpu(config, major)

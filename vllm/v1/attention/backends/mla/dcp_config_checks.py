@@ -24,6 +24,11 @@ FLASHINFER_QK_NOPE_HEAD_DIMS = (64, 128, 192)
 TOKENSPEED_HEAD_DIMS = (128, 64, 128)  # qk_nope, qk_rope, v
 TOKENSPEED_MAX_QUERY_LEN = 8
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+# The block size vLLM gives a backend without --block-size (the smallest of
+# its kernel block sizes, 32 and 64, as 16 is not one); read off here so the
+# config-time check need not import the kernels (flashinfer's import queries
+# the GPU, which must not happen in vLLM's front-end process).
+DEFAULT_BLOCK_SIZE = {FLASHINFER_MLA: 32, TOKENSPEED_MLA: 32}
 
 
 @dataclass(frozen=True)
@@ -165,12 +170,17 @@ PROBLEMS = {FLASHINFER_MLA: flashinfer_problems, TOKENSPEED_MLA: tokenspeed_prob
             CPU_MLA: cpu_problems}
 
 
-def raise_if_unsupported(backend: str, setting: DCPSetting) -> None:
-    """Raise one ``ValueError`` listing every problem of ``setting``."""
+def raise_if_unsupported(backend: str, setting: DCPSetting,
+                         chosen_by: str | None = None) -> None:
+    """Raise one ``ValueError`` listing every problem of ``setting``.
+
+    ``chosen_by``: what picked ``backend`` (a flag), named in the message.
+    """
     problems = PROBLEMS[backend](setting)
     if problems:
+        chosen = f" (chosen by {chosen_by})" if chosen_by else ""
         raise ValueError(
-            f"{backend} cannot serve this configuration:\n  - "
+            f"{backend}{chosen} cannot serve this configuration:\n  - "
             + "\n  - ".join(problems))
 
 

@@ -15,7 +15,8 @@ Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
     this patch gives DCP, or ``AMX_MLA`` on CPUs with AMX tiles).
   * CUDA: ``FLASHINFER_MLA`` / ``TOKENSPEED_MLA`` when named by
     ``--attention-backend`` or the draft's ``attention_backend`` in
-    ``--speculative-config``, with the block size vLLM will pick for them.
+    ``--speculative-config``, with the block size vLLM will pick for them
+    (read off a table: importing their kernels here would touch the GPU).
   * Any platform: the interleave against an explicit ``--block-size``.
 A backend vLLM picks by itself on CUDA is known only inside the workers;
 there the backends' selection hooks and builders check it.
@@ -72,16 +73,13 @@ def _block_size_for(vllm_config, backend_name: str) -> int:
     """The KV block size vLLM will page with under ``backend_name``.
 
     vLLM keeps an explicit ``--block-size`` (the CPU platform has already
-    forced MLA's 16 by now); otherwise a worker later asks the backend for
-    its preferred size, as done here.
+    forced MLA's 16 by now); otherwise a worker later gives the backend its
+    preferred size (``checks.DEFAULT_BLOCK_SIZE``).
     """
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
     cache = vllm_config.cache_config
     if cache.user_specified_block_size or backend_name == checks.CPU_MLA:
         return cache.block_size
-    backend_cls = AttentionBackendEnum[backend_name].get_class()
-    return backend_cls.get_preferred_block_size(cache.block_size)
+    return checks.DEFAULT_BLOCK_SIZE[backend_name]
 
 
 def check_vllm_config(vllm_config) -> None:
@@ -104,12 +102,9 @@ def check_vllm_config(vllm_config) -> None:
                 f"vLLM picks {choice.name} on this CPU, which has no decode "
                 "context parallelism: pass --attention-backend CPU_MLA.")
         block_size = _block_size_for(vllm_config, choice.name)
-        try:
-            checks.raise_if_unsupported(
-                choice.name, dataclasses.replace(setting, block_size=block_size))
-        except ValueError as error:
-            raise ValueError(f"{error}\n(backend chosen by {choice.chosen_by})") \
-                from None
+        checks.raise_if_unsupported(
+            choice.name, dataclasses.replace(setting, block_size=block_size),
+            chosen_by=choice.chosen_by)
     if not choices and vllm_config.cache_config.user_specified_block_size:
         checks.raise_if_layout_unsupported(setting)
 
