@@ -73,12 +73,13 @@ def server_command(*, model: str, tp: int = 1, dcp: int = 1,
                    draft_attention_backend: str | None = None,
                    kv_cache_dtype: str | None = None, host: str = "127.0.0.1",
                    port: int = 8000, served_model_name: str | None = None,
-                   shutdown_timeout: int | None = None,
+                   shutdown_timeout: int | None = 30,
                    extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The ``vllm serve`` command line, run by this interpreter.
 
     ``shutdown_timeout``: seconds vLLM gives in-flight requests, and its
-    engine, to finish on SIGTERM; vLLM's default 0 force-kills the engine.
+    engine, to finish on SIGTERM (``VllmServer.stop``); vLLM's default 0
+    force-kills the engine at once; None leaves vLLM's default.
     """
     cmd = vllm_serve(model) + ["--host", host, "--port", str(port),
                                "-tp", str(tp), "-dcp", str(dcp)]
