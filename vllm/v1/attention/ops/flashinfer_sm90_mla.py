@@ -37,12 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import FlatDecode
+from vllm.v1.attention.ops.dcp_decode import FlatDecode, dcp_local_seq_lens
 from vllm.v1.attention.ops.mla_tail_merge import LN2, tail_merge
 
 __all__ = [
     "FlashInferSm90MLA",
     "PrefixTailPlan",
+    "host_prefix_lens",
     "plan_prefix_tail_host",
     "PagedKVCSR",
     "build_paged_kv_csr",
@@ -202,6 +203,42 @@ def plan_prefix_tail_host(
                           kv_indptr=kv_indptr.to(torch.int32),
                           seg_to_req=seg_to_req,
                           row_prefix=row_prefix.to(torch.int32))
+
+
+def host_prefix_lens(
+    global_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    causal: bool,
+    slack: int,
+    world_size: int,
+    rank: int,
+    interleave: int,
+) -> torch.Tensor:
+    """Local KV tokens that every query token of each request sees, from host
+    data only.
+
+    A request of global length ``L`` and ``n`` query tokens: token ``t`` sees
+    ``L - n + 1 + t`` tokens (causal) or ``L`` (non-causal), so all see the
+    first token's bound. vLLM's host lengths may exceed the device's by up to
+    ``slack`` tokens (draft tokens not yet known to be rejected, under async
+    speculative decoding), so the bound is taken ``slack`` lower; the tail
+    kernel covers the rest from the device's exact per-row bounds.
+
+    Args:
+        global_lens: int CPU [>= R], host global lengths (an upper bound of
+            the exact ones by at most ``slack``).
+        query_start_loc: int CPU [R + 1], the requests' query offsets.
+
+    Returns:
+        int64 CPU [R], local lengths on ``rank`` (0 where the bound is <= 0).
+    """
+    num_reqs = query_start_loc.shape[0] - 1
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
+    first = global_lens[:num_reqs].to(torch.int64) - slack
+    if causal:
+        first = first - (q_lens - 1)
+    return dcp_local_seq_lens(first.clamp(min=0), world_size, rank, interleave)
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -125,26 +125,19 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
     def _sm90_prefix_lens(self, decode: DCPDecodeMetadata,
                           query_start_loc_cpu: torch.Tensor) -> torch.Tensor:
         """int64 CPU [R]: local KV tokens every query token of each decode
-        request sees on this rank, from host data.
+        request sees on this rank, from vLLM's host lengths (an upper bound,
+        by at most the draft tokens, under async speculative decoding)."""
+        from vllm.v1.attention.ops.flashinfer_sm90_mla import host_prefix_lens
 
-        vLLM's host lengths may exceed the device ones by the draft tokens
-        not yet known to be rejected (``seq_lens_cpu_upper_bound``), so the
-        prefix starts from the first token's bound less that slack; the
-        tail kernel covers the rest from the device's exact row bounds.
-        """
-        from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens
-
-        num_reqs = query_start_loc_cpu.shape[0] - 1
-        q_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).to(torch.int64)
         host = self._host_seq_lens
         if host is None:  # vLLM kept no host copy: read the device's (a sync)
             host = decode.dcp_tot_seq_lens.cpu()
-        global_lens = host[:num_reqs].to(torch.int64)
         spec = self.vllm_config.speculative_config
-        slack = spec.num_speculative_tokens if spec is not None else 0
-        first_bound = global_lens - slack - (q_lens - 1 if decode.causal else 0)
-        return dcp_local_seq_lens(first_bound.clamp(min=0), decode.dcp_world_size,
-                                  decode.dcp_rank, decode.interleave)
+        return host_prefix_lens(
+            host, query_start_loc_cpu, causal=decode.causal,
+            slack=(spec.num_speculative_tokens or 0) if spec is not None else 0,
+            world_size=decode.dcp_world_size, rank=decode.dcp_rank,
+            interleave=decode.interleave)
 
     def _sm90_kernel(self, decode: DCPDecodeMetadata):
         """The group's FA3 kernel object, made on the first plan (the layers'
