@@ -18,8 +18,9 @@ FIRST=""
 for v in "$@"; do
   step "flashinfer $v: unpack"
   D=/tmp/fi_$v; rm -rf $D; mkdir -p $D
-  unzip -q -o "$WHL/v$v.zip" -d $D && unzip -q -o "$WHL/common.zip" -d $D/flashinfer/data \
-    && unzip -q -o "$WHL"/apache_tvm_ffi-*.whl -d $D || { echo "UNPACK FAILED"; continue; }
+  unz() { python3 -m zipfile -e "$1" "$2"; }
+  unz "$WHL/v$v.zip" $D && mkdir -p $D/flashinfer/data && unz "$WHL/common.zip" $D/flashinfer/data \
+    && unz "$(ls "$WHL"/apache_tvm_ffi-*.whl)" $D || { echo "UNPACK FAILED"; continue; }
   export PYTHONPATH=$D:. FLASHINFER_WORKSPACE_BASE=/tmp/fiws_$v
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || continue
   [ -z "$FIRST" ] && FIRST=$v
