@@ -106,9 +106,8 @@ def run_config(heads, world, inter, causal, args, dev):
                                   world_size=world, rank=r, interleave=inter)
         host_plan = plan_prefix_tail_host(qsl, prefix, num_rows=rows, page_size=page)
         req_table = rank_state["table"]
-        if args.plant_fresh_indices:  # what a non-persistent index list does
-            k = rank_state["kernel"]
-            k._kv_indices = torch.zeros_like(k._kv_indices)
+        if args.plant_plain_wrapper:  # FlashInfer's non-graph wrapper: a new
+            rank_state["kernel"]._graph_segment_counts = set()  # workspace per plan
         rank_state["kernel"].plan_prefix_tail(host_plan, req_table, flat.seq_lens,
                                               flat.block_table)
 
@@ -214,8 +213,9 @@ def main():
     ap.add_argument("--max-len", type=int, default=3000)
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--plant-fresh-indices", action="store_true",
-                    help="sensitivity: a new page-index tensor per plan (must fail)")
+    ap.add_argument("--plant-plain-wrapper", action="store_true",
+                    help="sensitivity: plan through FlashInfer's non-graph wrapper "
+                         "(a new integer workspace per plan; must fail)")
     args = ap.parse_args()
     dev = args.device
     all_ok = True

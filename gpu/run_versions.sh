@@ -4,7 +4,7 @@
 # them, the apache-tvm-ffi wheel), then run the CUDA adapter tests, the DCP
 # check against float32 full attention (peaky + flat LSE-sensitivity passes)
 # and the CUDA-graph replay check. PLANT=1 adds the planted runs (off-by-one
-# bound, fresh index buffer per plan), which must fail.
+# bound, FlashInfer's non-graph wrapper under a graph), which must fail.
 # Usage (repo root, on the device): WHL=path bash gpu/run_versions.sh 0.7.4 0.7.2.post1
 set -u
 OUT=${OUT:-.out}; mkdir -p "$OUT"; RES=/tmp/dcp_results; rm -rf $RES; mkdir -p $RES
@@ -42,9 +42,9 @@ if [ "${PLANT:-0}" = 1 ] && [ -n "$FIRST" ]; then
     --plant-off-by-one --csv $RES/check_planted.csv 2>&1 | grep -v -i warn \
     | tee $RES/check_planted.txt | tail -28
   echo "planted check rc=${PIPESTATUS[0]} (must be 1)"
-  step "planted fresh index buffer per plan ($FIRST)"
+  step "planted non-graph FlashInfer wrapper ($FIRST)"
   timeout 100 python3 gpu/check_graph.py --heads 16 --world 2 --batches 3 \
-    --plant-fresh-indices 2>&1 | grep -v -i warn | tee $RES/graph_planted.txt
+    --plant-plain-wrapper 2>&1 | grep -v -i warn | tee $RES/graph_planted.txt
   echo "planted graph rc=${PIPESTATUS[0]} (must be 1)"
 fi
 step done

@@ -88,6 +88,10 @@ class _FakeWrapper:
     def __init__(self, workspace, backend="auto", **kwargs):
         _FakeWrapper.calls.append(("init", dict(backend=backend, **kwargs)))
         self.meta = None
+        # CUDA-graph mode: reserved metadata buffers, rewritten by every plan.
+        self.graph = kwargs.get("use_cuda_graph", False)
+        self.reserved = {k: kwargs.get(k) for k in ("qo_indptr", "kv_indptr",
+                                                     "kv_indices", "kv_len_arr")}
 
     def plan(self, **kwargs):
         _FakeWrapper.calls.append(("plan", kwargs))
@@ -100,6 +104,19 @@ class _FakeWrapper:
         self.kv_lens = meta.kv_len_arr.cpu().long()
         assert self.qo.shape[0] == self.kv_lens.shape[0] + 1
         self.kv_indices = meta.kv_indices  # read at run time
+        if self.graph:  # as FlashInfer: exact shapes, indices may be larger
+            for name in ("qo_indptr", "kv_indptr", "kv_len_arr"):
+                src, dst = getattr(meta, name), self.reserved[name]
+                if dst.shape != src.shape:
+                    raise ValueError(f"CUDA graph reserved {name} buffer has "
+                                     "insufficient or incompatible capacity.")
+                dst.copy_(src)
+            src, dst = meta.kv_indices, self.reserved["kv_indices"]
+            if dst.shape[0] < src.shape[0]:
+                raise ValueError("kv_indices capacity")
+            if src.data_ptr() != dst.data_ptr():
+                dst[: src.shape[0]].copy_(src)
+            self.kv_indices = dst
         self.planned_shape = (int(self.qo[-1]), kwargs["num_heads"])
         self.kw = kwargs
 
@@ -303,14 +320,20 @@ def test_prefix_tail_plan_uses_persistent_buffers(fake_flashinfer):
                                 max_rows=rows, max_cols=table.shape[1])
     flat = dcp.build_flat_decode(seq, qsl, table, world_size=1, rank=0,
                                  interleave=1, causal=True, num_rows=rows)
-    ptrs = []
+    ptrs, wrappers = [], []
     for lens in (seq, seq.flip(0)):
         host = fsm.plan_prefix_tail_host(qsl, lens.clamp(max=seq.min()),
                                          num_rows=rows, page_size=page)
         mla.plan_prefix_tail(host, table, flat.seq_lens, flat.block_table)
         ptrs.append(fake_flashinfer.calls[-1][1]["metadata"].kv_indices.data_ptr())
         ptrs.append(mla.tail[2].data_ptr())
+        wrappers.append(mla._wrapper)
     assert ptrs[0] == ptrs[2] and ptrs[1] == ptrs[3]
+    # One CUDA-graph wrapper for the segment count, replanned in place.
+    assert wrappers[0] is wrappers[1] and wrappers[0].graph
+    init = [c[1] for c in fake_flashinfer.calls if c[0] == "init"]
+    assert [c.get("use_cuda_graph", False) for c in init] == [False, True]
+    assert init[1]["kv_indices"].data_ptr() == ptrs[0]
     big = fsm.plan_prefix_tail_host(qsl, seq, num_rows=rows + 1, page_size=page)
     with pytest.raises(ValueError, match="max-num-seqs"):
         mla.plan_prefix_tail(big, table, flat.seq_lens, flat.block_table)

@@ -275,6 +275,11 @@ class FlashInferSm90MLA:
         max_rows, max_cols: capacity of the persistent plan buffers (query
             rows and block-table columns); None grows them on demand (eager
             use only: growing moves them under a captured graph).
+        graph_segment_counts: segment counts S whose prefix+tail plans go
+            through a FlashInfer CUDA-graph wrapper (one per S, made on first
+            use, with reserved metadata buffers and an integer workspace that
+            every later plan of that S rewrites in place); other plans use a
+            plain wrapper. None: every S (tests and scripts).
     """
 
     def __init__(
@@ -289,10 +294,16 @@ class FlashInferSm90MLA:
         rope_dim: int = 64,
         max_rows: int | None = None,
         max_cols: int | None = None,
+        graph_segment_counts: set[int] | None = None,
     ) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-        self._wrapper = BatchMLAPagedAttentionWrapper(workspace, backend="fa3")
+        self._wrapper_cls = BatchMLAPagedAttentionWrapper
+        self._workspace = workspace
+        self._eager_wrapper = BatchMLAPagedAttentionWrapper(workspace, backend="fa3")
+        self._wrapper = self._eager_wrapper
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_segment_counts = graph_segment_counts
         self.device = workspace.device
         self.num_heads = num_heads
         self.page_size = page_size
@@ -313,6 +324,7 @@ class FlashInferSm90MLA:
 
     def _alloc(self, max_rows: int, max_cols: int) -> None:
         self._max_rows, self._max_cols = max_rows, max_cols
+        self._graph_wrappers = {}  # they hold the old index buffer
         # Segments <= rows; one spare slot takes the scatter of dead columns.
         self._kv_indices = torch.zeros(max_rows * max_cols + 1, dtype=torch.int32,
                                        device=self.device)
@@ -330,6 +342,26 @@ class FlashInferSm90MLA:
                 f"({self._max_rows} x {self._max_cols}); raise --max-num-seqs "
                 f"or --max-model-len consistently")
         self._alloc(max(num_rows, 1), max(num_cols, 1))
+
+    def _wrapper_for(self, num_segments: int):
+        """The CUDA-graph wrapper of S segments (FlashInfer keeps its
+        metadata pointers and integer workspace fixed across its replans),
+        or the plain one where S is not a graph's segment count."""
+        if (self._graph_segment_counts is not None
+                and num_segments not in self._graph_segment_counts):
+            return self._eager_wrapper
+        wrapper = self._graph_wrappers.get(num_segments)
+        if wrapper is None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            wrapper = self._wrapper_cls(
+                self._workspace, use_cuda_graph=True,
+                qo_indptr=torch.zeros(num_segments + 1, **i32),
+                kv_indptr=torch.zeros(num_segments + 1, **i32),
+                kv_indices=self._kv_indices[:-1],
+                kv_len_arr=torch.zeros(num_segments, **i32),
+                backend="fa3")
+            self._graph_wrappers[num_segments] = wrapper
+        return wrapper
 
     # ---------------------------------------------------------------- plans
     def _plan_fa3(self, qo_indptr, kv_indptr, kv_indices, kv_lens, *,
@@ -387,6 +419,7 @@ class FlashInferSm90MLA:
         self._kv_indices.scatter_(0, dest.reshape(-1).long(),
                                   tables.to(torch.int32).reshape(-1))
         self._row_prefix[:num_rows].copy_(_to_device(plan.row_prefix, device))
+        self._wrapper = self._wrapper_for(num_segs)
         self._plan_fa3(plan.qo_indptr, plan.kv_indptr, self._kv_indices[:spare],
                        plan.kv_lens, causal=False)
         self.num_tokens = num_rows
@@ -424,6 +457,7 @@ class FlashInferSm90MLA:
                        token_empty: torch.Tensor) -> None:
         """Plan given segments; rows past the last one get a KV-less segment
         (FlashInfer >= 0.7.4 runs only the rows it planned)."""
+        self._wrapper = self._eager_wrapper
         qo_host = qo_indptr.cpu().to(torch.int32)
         kv_indptr, kv_lens = csr.kv_indptr, csr.kv_lens
         if int(qo_host[-1]) < num_tokens:
