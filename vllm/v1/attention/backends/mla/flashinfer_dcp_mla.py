@@ -87,6 +87,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             self, kv_cache_spec, layer_names, vllm_config, device,
             FlashInferMLAMetadata, supports_dcp_with_varlen=True)
         self._init_dcp_rows()
+        self._sm90_layer_names = list(layer_names)  # their impls' scale
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -150,7 +151,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             return kernel
         context = self.vllm_config.compilation_config.static_forward_context
         scales = {getattr(getattr(context[name], "impl", None), "scale", None)
-                  for name in self.layer_names}
+                  for name in self._sm90_layer_names}
         if len(scales) != 1 or None in scales:
             raise ValueError(
                 f"FLASHINFER_MLA on sm90 plans one softmax scale per KV-cache "
@@ -159,7 +160,8 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         kernel = fa3.FlashInferSm90MLA(
             _get_workspace_buffer(True), num_heads=self.num_heads * self.dcp_world_size,
             page_size=self.kv_cache_spec.block_size, sm_scale=scales.pop(),
-            dtype=self.kv_cache_spec.dtype, kv_lora_rank=self.mla_dims.kv_lora_rank,
+            dtype=self.vllm_config.model_config.dtype,
+            kv_lora_rank=self.mla_dims.kv_lora_rank,
             rope_dim=self.mla_dims.qk_rope_head_dim,
             max_rows=max(self._dcp_row_capacity(), rows.num_rows),
             max_cols=rows.block_table.shape[1])
