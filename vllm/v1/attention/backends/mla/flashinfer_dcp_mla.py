@@ -157,6 +157,10 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
                 f"FLASHINFER_MLA on sm90 plans one softmax scale per KV-cache "
                 f"group; its layers have {sorted(map(str, scales))}")
         rows = decode.flat
+        # A uniform batch padded to a capture size C has C / q_len segments:
+        # those plans get FlashInfer's CUDA-graph wrappers (one each).
+        query_len = max(self.reorder_batch_threshold, 1)
+        sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
         kernel = fa3.FlashInferSm90MLA(
             _get_workspace_buffer(True), num_heads=self.num_heads * self.dcp_world_size,
             page_size=self.kv_cache_spec.block_size, sm_scale=scales.pop(),
@@ -164,7 +168,8 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             kv_lora_rank=self.mla_dims.kv_lora_rank,
             rope_dim=self.mla_dims.qk_rope_head_dim,
             max_rows=max(self._dcp_row_capacity(), rows.num_rows),
-            max_cols=rows.block_table.shape[1])
+            max_cols=rows.block_table.shape[1],
+            graph_segment_counts={c // query_len for c in sizes if c % query_len == 0})
         decode.kernel_state["fa3_sm90"] = kernel
         return kernel
 
