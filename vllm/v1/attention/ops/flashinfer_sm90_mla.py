@@ -1,34 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FlashInfer's Hopper (FA3) MLA decode on DCP-flattened or grouped rows.
+"""FlashInfer's Hopper (FA3) MLA decode on DCP rows: prefix segments + tails.
 
 ``flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="fa3")``
-takes ragged query offsets and paged-KV CSR metadata and returns the LSE, so
-one plan per forward pass over the flattened rows of
-:class:`~vllm.v1.attention.ops.dcp_decode.FlatDecode` (one query token per
-row, non-causal) serves both causal speculative verification and the
-non-causal DSpark draft block under decode context parallelism on sm90.
-:class:`~vllm.v1.attention.ops.triton_dcp_metadata.GroupedDecode` rows (a run
-of query tokens sharing one local bound) are planned the same way, with the
-group's tokens as one ragged query segment. For causal verify,
-``plan_causal_prefix`` plans one segment per request over its first token's
-local bound (the KV is read once, as in FlashInfer's own multi-token decode)
-and ``causal_tail_merge`` (Triton) adds each token's at most ``q_len - 1``
-remaining local keys and merges the two partials.
+takes ragged query offsets and paged-KV CSR metadata and returns the LSE.
+Under DCP a request's per-token local bounds step by 0 or 1, so every token
+sees its request's first local keys: the deployed plan
+(``plan_prefix_tail_host`` from host data, then
+``FlashInferSm90MLA.plan_prefix_tail``) gives FA3 one non-causal segment per
+request over a host-known lower bound of those keys (the KV is read once, as
+in FlashInfer's own multi-token decode), and ``run`` finishes every row with
+``mla_tail_merge.tail_merge`` (its remaining keys from the device's exact
+bounds, natural-log LSE, empty rows masked). The plan covers every row the
+layers run (FlashInfer >= 0.7.4 runs only planned rows), writes its device
+tensors into persistent buffers, and uses FlashInfer's CUDA-graph wrapper
+for the segment counts of CUDA-graph sizes, so that a captured graph of
+``run`` calls replays correctly after every later plan.
 
-The adapter plans once per forward (``plan_flat`` / ``plan_grouped`` /
-``plan_causal_prefix`` / ``plan_requests``) and runs once per layer
-(``run``), returning
-``(out [T, H, Dv], lse [T, H])`` per query token with the LSE in natural log
-and rows that hold no local KV masked (out 0, lse -inf), ready for
-``dcp_decode.merge_partials``.
+``plan_flat`` / ``plan_grouped`` / ``plan_requests`` / ``plan_causal_prefix``
+are eager variants (they read device data back) kept for checks and
+benchmarks: one segment per row, per row group, per request (FlashInfer's own
+causal decode, the no-DCP baseline) or the prefix+tail plan from device data.
 
-flashinfer is imported lazily (inside the class), so the module and its CSR
-helper import without it. Only ``vllm.v1.attention.ops.dcp_decode`` is
-imported from vllm.
+``run`` returns ``(out [T, H, Dv], lse [T, H])`` per query row with the LSE
+in natural log, ready for ``dcp_decode.merge_partials``. flashinfer is
+imported lazily (inside the class). From vllm only this package's own ops
+modules are imported.
 
-Shapes: T query tokens (flattened rows), S planned segments (rows or groups),
-H heads, Dv = kv_lora_rank (512), Dr = rope dim (64), P pages,
-page = tokens per page, B block-table columns.
+Shapes: T query rows, R requests, S planned segments, H heads,
+Dv = kv_lora_rank (512), Dr = rope dim (64), P pages, page = tokens per page,
+B block-table columns.
 """
 
 from __future__ import annotations

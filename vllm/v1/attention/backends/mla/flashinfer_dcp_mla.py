@@ -12,12 +12,13 @@ any ``--cp-kv-cache-interleave-size``:
   its local length; natural-log LSE.
 - sm90 (Hopper, which no upstream backend serves for a DSpark draft under
   DCP): FlashInfer's FA3 MLA (``BatchMLAPagedAttentionWrapper``), planned
-  once per forward and run by every layer; natural-log LSE. A request's
-  tokens share the local keys below its first token's bound, so the plan is
-  one segment per request over that prefix (the KV is read once, as in
-  FlashInfer's own multi-token decode) plus each causal token's short tail
-  (at most q_len - 1 keys), merged by a Triton kernel; a non-causal draft
-  block has no tail.
+  by the builder once per forward from host data (no device-to-host sync of
+  ours) and only run by every layer, so uniform decode batches replay in
+  full CUDA graphs; natural-log LSE. A request's tokens share the local keys
+  below its first token's bound, so the plan is one segment per request over
+  a host-known lower bound of that prefix (the KV is read once, as in
+  FlashInfer's own multi-token decode) plus each token's remaining keys,
+  attended and merged by one Triton launch over all rows.
   On sm90 the rows are built at DCP size 1 too (the trtllm-gen path is
   sm100-only).
 
