@@ -1,60 +1,54 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FlashInfer's Hopper (FA3) MLA decode on DCP-flattened or grouped rows.
+"""FlashInfer's Hopper (FA3) MLA decode on DCP rows: prefix segments + tails.
 
 ``flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="fa3")``
-takes ragged query offsets and paged-KV CSR metadata and returns the LSE, so
-one plan per forward pass over the flattened rows of
-:class:`~vllm.v1.attention.ops.dcp_decode.FlatDecode` (one query token per
-row, non-causal) serves both causal speculative verification and the
-non-causal DSpark draft block under decode context parallelism on sm90.
-:class:`~vllm.v1.attention.ops.triton_dcp_metadata.GroupedDecode` rows (a run
-of query tokens sharing one local bound) are planned the same way, with the
-group's tokens as one ragged query segment. For causal verify,
-``plan_causal_prefix`` plans one segment per request over its first token's
-local bound (the KV is read once, as in FlashInfer's own multi-token decode)
-and ``causal_tail_merge`` (Triton) adds each token's at most ``q_len - 1``
-remaining local keys and merges the two partials.
+takes ragged query offsets and paged-KV CSR metadata and returns the LSE.
+Under DCP a request's per-token local bounds step by 0 or 1, so every token
+sees its request's first local keys: the deployed plan
+(``plan_prefix_tail_host`` from host data, then
+``FlashInferSm90MLA.plan_prefix_tail``) gives FA3 one non-causal segment per
+request over a host-known lower bound of those keys (the KV is read once, as
+in FlashInfer's own multi-token decode), and ``run`` finishes every row with
+``mla_tail_merge.tail_merge`` (its remaining keys from the device's exact
+bounds, natural-log LSE, empty rows masked). The plan covers every row the
+layers run (FlashInfer >= 0.7.4 runs only planned rows), writes its device
+tensors into persistent buffers, and uses FlashInfer's CUDA-graph wrapper
+for the segment counts of CUDA-graph sizes, so that a captured graph of
+``run`` calls replays correctly after every later plan.
 
-The adapter plans once per forward (``plan_flat`` / ``plan_grouped`` /
-``plan_causal_prefix`` / ``plan_requests``) and runs once per layer
-(``run``), returning
-``(out [T, H, Dv], lse [T, H])`` per query token with the LSE in natural log
-and rows that hold no local KV masked (out 0, lse -inf), ready for
-``dcp_decode.merge_partials``.
+``plan_flat`` / ``plan_grouped`` / ``plan_requests`` / ``plan_causal_prefix``
+are eager variants (they read device data back) kept for checks and
+benchmarks: one segment per row, per row group, per request (FlashInfer's own
+causal decode, the no-DCP baseline) or the prefix+tail plan from device data.
 
-flashinfer is imported lazily (inside the class), so the module and its CSR
-helper import without it. Only ``vllm.v1.attention.ops.dcp_decode`` is
-imported from vllm.
+``run`` returns ``(out [T, H, Dv], lse [T, H])`` per query row with the LSE
+in natural log, ready for ``dcp_decode.merge_partials``. flashinfer is
+imported lazily (inside the class). From vllm only this package's own ops
+modules are imported.
 
-Shapes: T query tokens (flattened rows), S planned segments (rows or groups),
-H heads, Dv = kv_lora_rank (512), Dr = rope dim (64), P pages,
-page = tokens per page, B block-table columns.
+Shapes: T query rows, R requests, S planned segments, H heads,
+Dv = kv_lora_rank (512), Dr = rope dim (64), P pages, page = tokens per page,
+B block-table columns.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import FlatDecode
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the prefix+tail path needs Triton
-    triton = None
+from vllm.v1.attention.ops.dcp_decode import FlatDecode, dcp_local_seq_lens
+from vllm.v1.attention.ops.mla_tail_merge import LN2, tail_merge
 
 __all__ = [
     "FlashInferSm90MLA",
-    "causal_tail_merge",
+    "PrefixTailPlan",
+    "host_prefix_lens",
+    "plan_prefix_tail_host",
     "PagedKVCSR",
     "build_paged_kv_csr",
     "token_empty_mask",
 ]
-
-LN2 = math.log(2.0)
 
 
 @dataclass
@@ -132,134 +126,126 @@ def token_empty_mask(
     return ~(is_real & has_kv)
 
 
-if triton is not None:
+@dataclass
+class PrefixTailPlan:
+    """Host-side (CPU) plan of one forward pass's prefix+tail decode.
 
-    @triton.jit
-    def _causal_tail_merge_kernel(
-        q_ptr, q_stride_t, q_stride_h,
-        kv_ptr, kv_stride_p, kv_stride_s,
-        bt_ptr, bt_stride,
-        tail_rows_ptr, row_lens_ptr, prefix_lens_ptr,
-        out_ptr, lse_ptr,
-        num_heads, page_size, sm_scale,
-        DV: tl.constexpr, DR: tl.constexpr,
-        BLOCK_H: tl.constexpr, KEYS: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        """Program = (row t = tail_rows[pid], BLOCK_H heads): attend to local
-        keys [prefix_len, row_len) (at most KEYS) and merge with the prefix
-        partial already in out / lse (natural-log LSE in and out)."""
-        t = tl.load(tail_rows_ptr + tl.program_id(0))
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_ok = heads < num_heads
-        row_len = tl.load(row_lens_ptr + t)
-        prefix_len = tl.load(prefix_lens_ptr + t)
-        # Rows without tail keys only rescale the LSE (and zero empty rows):
-        # every load below is predicated off for them.
-        no_keys = tl.zeros_like(heads) + row_len
-        has_tail = no_keys > prefix_len  # [BLOCK_H], all equal
-        is_empty = no_keys == 0
-        keys = prefix_len + tl.arange(0, KEYS)
-        k_ok = keys < row_len
-        page = tl.load(bt_ptr + t.to(tl.int64) * bt_stride + keys // page_size,
-                       mask=k_ok, other=0)
-        slot = page.to(tl.int64) * kv_stride_p + (keys % page_size) * kv_stride_s
-        dv = tl.arange(0, DV)
-        dr = tl.arange(0, DR)
-        k_c = tl.load(kv_ptr + slot[:, None] + dv[None, :], mask=k_ok[:, None],
-                      other=0.0)
-        k_r = tl.load(kv_ptr + slot[:, None] + DV + dr[None, :],
-                      mask=k_ok[:, None], other=0.0)
-        q_row = q_ptr + t.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h
-        q_ok = (h_ok & has_tail)[:, None]
-        q_c = tl.load(q_row + dv[None, :], mask=q_ok, other=0.0)
-        q_r = tl.load(q_row + DV + dr[None, :], mask=q_ok, other=0.0)
-        # fp32 operands: bf16 values are exact in tf32, so the default "tf32"
-        # keeps bf16 products exact; fp32 inputs ask for "ieee".
-        scores = (tl.dot(q_c.to(tl.float32), tl.trans(k_c.to(tl.float32)),
-                         input_precision=PRECISION)
-                  + tl.dot(q_r.to(tl.float32), tl.trans(k_r.to(tl.float32)),
-                           input_precision=PRECISION))
-        scores = tl.where(k_ok[None, :], scores * sm_scale, float("-inf"))
-        m_tail = tl.max(scores, axis=1)
-        m_tail = tl.where(m_tail == float("-inf"), 0.0, m_tail)
-        probs = tl.exp(scores - m_tail[:, None])  # 0 on masked keys
-        sum_tail = tl.sum(probs, axis=1)
-        o_tail = tl.dot(probs, k_c.to(tl.float32), input_precision=PRECISION)  # [BLOCK_H, DV] unnormalised
-        o_tail = o_tail / tl.where(sum_tail > 0, sum_tail, 1.0)[:, None]
-        lse_tail = tl.where(sum_tail > 0, m_tail + tl.log(sum_tail),
-                            float("-inf"))
+    Every one of the T query rows ``run`` receives is covered by a segment, as
+    FlashInfer >= 0.7.4 requires (the rows run must be the rows planned):
+    one segment per request with query tokens, over the request's prefix,
+    then the padding rows in segments of the batch's largest query length,
+    with no KV. For a uniform batch every segment has the same query length,
+    so FA3's launch shape (which follows the mean packed query rows per
+    segment) is the same for every batch of one CUDA-graph size.
 
-        has_prefix = (tl.zeros_like(heads) + prefix_len) > 0  # [BLOCK_H]
-        out_rows = (t.to(tl.int64) * num_heads + heads)
-        lse_pre = tl.load(lse_ptr + out_rows, mask=h_ok & has_prefix,
-                          other=float("-inf"))
-        o_pre = tl.load(out_ptr + out_rows[:, None] * DV + dv[None, :],
-                        mask=(h_ok & has_prefix & has_tail)[:, None], other=0.0)
-        lse_max = tl.maximum(lse_pre, lse_tail)
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        w_pre = tl.exp(lse_pre - lse_max)
-        w_tail = tl.exp(lse_tail - lse_max)
-        total = w_pre + w_tail
-        norm = tl.where(total > 0, total, 1.0)
-        merged = (w_pre[:, None] * o_pre.to(tl.float32)
-                  + w_tail[:, None] * o_tail) / norm[:, None]
-        tl.store(out_ptr + out_rows[:, None] * DV + dv[None, :],
-                 merged.to(out_ptr.dtype.element_ty),
-                 mask=(h_ok & (has_tail | is_empty))[:, None])
-        tl.store(lse_ptr + out_rows,
-                 tl.where(total > 0, lse_max + tl.log(total), float("-inf")),
-                 mask=h_ok)
+    Attributes:
+        qo_indptr: int32 [S + 1], segment query offsets; ``qo_indptr[-1] == T``.
+        kv_lens: int32 [S], prefix KV tokens of each segment (local).
+        kv_indptr: int32 [S + 1], ``cumsum(ceil(kv_lens / page))``.
+        seg_to_req: int64 [S], block-table row (request) of each segment
+            (0 for padding segments, which read no page).
+        row_prefix: int32 [T], prefix KV tokens of each row's segment.
+    """
+
+    qo_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    kv_indptr: torch.Tensor
+    seg_to_req: torch.Tensor
+    row_prefix: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_prefix.shape[0]
+
+    @property
+    def num_segments(self) -> int:
+        return self.kv_lens.shape[0]
 
 
-def causal_tail_merge(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    row_lens: torch.Tensor,
+def plan_prefix_tail_host(
+    query_start_loc: torch.Tensor,
     prefix_lens: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
     *,
-    sm_scale: float,
-    max_tail: int = 16,
-    tail_rows: torch.Tensor | None = None,
-) -> None:
-    """Finish prefix+tail causal decode in place (one Triton launch).
-
-    Each query row ``t`` must attend to local keys ``[0, row_lens[t])``;
-    ``out`` / ``lse`` already hold its attention over ``[0, prefix_lens[t])``
-    (``lse`` in base 2, as FlashInfer returns it; ignored where
-    ``prefix_lens == 0``). This attends to the tail keys
-    ``[prefix_lens[t], row_lens[t])`` (at most ``max_tail``), merges, and
-    leaves the natural-log LSE; rows with no keys get out 0, lse -inf.
+    num_rows: int,
+    page_size: int,
+) -> PrefixTailPlan:
+    """Segments of a prefix+tail decode, from host data only.
 
     Args:
-        q: [T, H, Dv + Dr] queries. kv_cache: [P, page, Dv + Dr].
-        block_table: int32 [T, B] per-row local block table.
-        row_lens, prefix_lens: int32 [T].
-        out: [T, H, Dv] (contiguous), lse: float32 [T, H] (contiguous).
-        tail_rows: int32 [T'] rows to process (default all T); rows left out
-            must already be final (no tail keys).
+        query_start_loc: int CPU [R + 1], the decode requests' query offsets;
+            rows from ``query_start_loc[-1]`` to ``num_rows`` are padding.
+        prefix_lens: int CPU [R], local KV tokens that every query token of
+            the request sees (a lower bound of each token's local bound;
+            negative values count as 0).
+        num_rows: T, query rows of the layers' input.
+        page_size: tokens per KV page.
     """
-    num_tokens, num_heads, width = q.shape
-    dv = out.shape[-1]
-    block_h = 16
-    keys = max(triton.next_power_of_2(max_tail), 16)
-    if tail_rows is None:
-        tail_rows = torch.arange(num_tokens, dtype=torch.int32, device=q.device)
-    if tail_rows.numel() == 0:
-        return
-    grid = (tail_rows.numel(), triton.cdiv(num_heads, block_h))
-    _causal_tail_merge_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1),
-        block_table, block_table.stride(0),
-        tail_rows, row_lens, prefix_lens, out, lse,
-        num_heads, kv_cache.shape[1], sm_scale,
-        DV=dv, DR=width - dv, BLOCK_H=block_h, KEYS=keys,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8,
-    )
+    qsl = query_start_loc.to(torch.int64)
+    num_reqs = qsl.shape[0] - 1
+    num_tokens = min(int(qsl[-1]), num_rows) if num_reqs >= 0 else 0
+    q_lens = qsl[1:] - qsl[:-1]
+    live = (q_lens > 0) & (qsl[:-1] < num_tokens)
+    reqs = torch.nonzero(live).flatten()
+    prefix = prefix_lens.to(torch.int64).clamp(min=0)
+    pad_len = max(int(q_lens.max()), 1) if num_reqs > 0 else 1
+    pad_starts = torch.arange(num_tokens, num_rows, pad_len, dtype=torch.int64)
+    qo_indptr = torch.cat([qsl[reqs], pad_starts,
+                           torch.tensor([num_rows], dtype=torch.int64)])
+    kv_lens = torch.cat([prefix[reqs], torch.zeros_like(pad_starts)])
+    pages = (kv_lens + page_size - 1) // page_size
+    kv_indptr = torch.zeros(kv_lens.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(pages, 0, out=kv_indptr[1:])
+    seg_to_req = torch.cat([reqs, torch.zeros_like(pad_starts)])
+    seg_q_lens = qo_indptr[1:] - qo_indptr[:-1]
+    row_prefix = torch.repeat_interleave(kv_lens, seg_q_lens)
+    return PrefixTailPlan(qo_indptr=qo_indptr.to(torch.int32),
+                          kv_lens=kv_lens.to(torch.int32),
+                          kv_indptr=kv_indptr.to(torch.int32),
+                          seg_to_req=seg_to_req,
+                          row_prefix=row_prefix.to(torch.int32))
+
+
+def host_prefix_lens(
+    global_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    causal: bool,
+    slack: int,
+    world_size: int,
+    rank: int,
+    interleave: int,
+) -> torch.Tensor:
+    """Local KV tokens that every query token of each request sees, from host
+    data only.
+
+    A request of global length ``L`` and ``n`` query tokens: token ``t`` sees
+    ``L - n + 1 + t`` tokens (causal) or ``L`` (non-causal), so all see the
+    first token's bound. vLLM's host lengths may exceed the device's by up to
+    ``slack`` tokens (draft tokens not yet known to be rejected, under async
+    speculative decoding), so the bound is taken ``slack`` lower; the tail
+    kernel covers the rest from the device's exact per-row bounds.
+
+    Args:
+        global_lens: int CPU [>= R], host global lengths (an upper bound of
+            the exact ones by at most ``slack``).
+        query_start_loc: int CPU [R + 1], the requests' query offsets.
+
+    Returns:
+        int64 CPU [R], local lengths on ``rank`` (0 where the bound is <= 0).
+    """
+    num_reqs = query_start_loc.shape[0] - 1
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
+    first = global_lens[:num_reqs].to(torch.int64) - slack
+    if causal:
+        first = first - (q_lens - 1)
+    return dcp_local_seq_lens(first.clamp(min=0), world_size, rank, interleave)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host-to-device copy without a device-to-host sync."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 class FlashInferSm90MLA:
@@ -269,8 +255,14 @@ class FlashInferSm90MLA:
 
         mla = FlashInferSm90MLA(workspace, num_heads=H, page_size=64,
                                 sm_scale=s, dtype=torch.bfloat16)
-        mla.plan_flat(flat)                 # once per forward
+        mla.plan_prefix_tail(host_plan, block_table, row_lens, row_tables)
         out, lse = mla.run(q, kv_cache)     # per layer
+
+    ``plan_prefix_tail`` takes the segments from host data
+    (``plan_prefix_tail_host``) and makes no device-to-host sync of its own;
+    its device tensors go into persistent buffers, so that a CUDA graph
+    captured over ``run`` replays correctly after every later plan of a batch
+    with the same row count and segment shape.
 
     Args:
         workspace: uint8 CUDA buffer for FlashInfer (128 MiB is usual).
@@ -280,6 +272,14 @@ class FlashInferSm90MLA:
         dtype: query and KV dtype (bf16 / fp16).
         kv_lora_rank: Dv, the latent (value) width.
         rope_dim: Dr, the rope width (key = Dv + Dr).
+        max_rows, max_cols: capacity of the persistent plan buffers (query
+            rows and block-table columns); None grows them on demand (eager
+            use only: growing moves them under a captured graph).
+        graph_segment_counts: segment counts S whose prefix+tail plans go
+            through a FlashInfer CUDA-graph wrapper (one per S, made on first
+            use, with reserved metadata buffers and an integer workspace that
+            every later plan of that S rewrites in place); other plans use a
+            plain wrapper. None: every S (tests and scripts).
     """
 
     def __init__(
@@ -292,10 +292,19 @@ class FlashInferSm90MLA:
         dtype: torch.dtype = torch.bfloat16,
         kv_lora_rank: int = 512,
         rope_dim: int = 64,
+        max_rows: int | None = None,
+        max_cols: int | None = None,
+        graph_segment_counts: set[int] | None = None,
     ) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-        self._wrapper = BatchMLAPagedAttentionWrapper(workspace, backend="fa3")
+        self._wrapper_cls = BatchMLAPagedAttentionWrapper
+        self._workspace = workspace
+        self._eager_wrapper = BatchMLAPagedAttentionWrapper(workspace, backend="fa3")
+        self._wrapper = self._eager_wrapper
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_segment_counts = graph_segment_counts
+        self.device = workspace.device
         self.num_heads = num_heads
         self.page_size = page_size
         self.sm_scale = sm_scale
@@ -304,20 +313,67 @@ class FlashInferSm90MLA:
         self.rope_dim = rope_dim
         self.num_tokens = 0
         self.token_empty: torch.Tensor | None = None
+        self.empty_rows: torch.Tensor | None = None
         self.csr: PagedKVCSR | None = None
         self.tail: tuple | None = None
+        self._fixed_capacity = max_rows is not None and max_cols is not None
+        self._kv_indices: torch.Tensor | None = None
+        self._row_prefix: torch.Tensor | None = None
+        if self._fixed_capacity:
+            self._alloc(max_rows, max_cols)
+
+    def _alloc(self, max_rows: int, max_cols: int) -> None:
+        self._max_rows, self._max_cols = max_rows, max_cols
+        self._graph_wrappers = {}  # they hold the old index buffer
+        # Segments <= rows; one spare slot takes the scatter of dead columns.
+        self._kv_indices = torch.zeros(max_rows * max_cols + 1, dtype=torch.int32,
+                                       device=self.device)
+        self._row_prefix = torch.zeros(max_rows, dtype=torch.int32,
+                                       device=self.device)
+
+    def _ensure_capacity(self, num_rows: int, num_cols: int) -> None:
+        if (self._kv_indices is not None and num_rows <= self._max_rows
+                and num_cols <= self._max_cols):
+            return
+        if self._fixed_capacity:
+            raise ValueError(
+                f"FA3 MLA plan of {num_rows} rows x {num_cols} block-table "
+                f"columns exceeds the buffers sized at start-up "
+                f"({self._max_rows} x {self._max_cols}); raise --max-num-seqs "
+                f"or --max-model-len consistently")
+        self._alloc(max(num_rows, 1), max(num_cols, 1))
+
+    def _wrapper_for(self, num_segments: int):
+        """The CUDA-graph wrapper of S segments (FlashInfer keeps its
+        metadata pointers and integer workspace fixed across its replans),
+        or the plain one where S is not a graph's segment count."""
+        if (self._graph_segment_counts is not None
+                and num_segments not in self._graph_segment_counts):
+            return self._eager_wrapper
+        wrapper = self._graph_wrappers.get(num_segments)
+        if wrapper is None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            wrapper = self._wrapper_cls(
+                self._workspace, use_cuda_graph=True,
+                qo_indptr=torch.zeros(num_segments + 1, **i32),
+                kv_indptr=torch.zeros(num_segments + 1, **i32),
+                kv_indices=self._kv_indices[:-1],
+                kv_len_arr=torch.zeros(num_segments, **i32),
+                backend="fa3")
+            self._graph_wrappers[num_segments] = wrapper
+        return wrapper
 
     # ---------------------------------------------------------------- plans
-    def _plan(self, qo_indptr: torch.Tensor, csr: PagedKVCSR, *, causal: bool,
-              num_tokens: int, token_empty: torch.Tensor) -> None:
+    def _plan_fa3(self, qo_indptr, kv_indptr, kv_indices, kv_lens, *,
+                  causal: bool) -> None:
         from flashinfer.mla import MLAPlanMetadata
 
         self._wrapper.plan(
             metadata=MLAPlanMetadata.csr(
                 qo_indptr=qo_indptr.to(torch.int32),
-                kv_indptr=csr.kv_indptr,
-                kv_indices=csr.kv_indices,
-                kv_len_arr=csr.kv_lens,
+                kv_indptr=kv_indptr.to(torch.int32),
+                kv_indices=kv_indices,
+                kv_len_arr=kv_lens.to(torch.int32),
             ),
             num_heads=self.num_heads,
             head_dim_ckv=self.kv_lora_rank,
@@ -329,26 +385,105 @@ class FlashInferSm90MLA:
             kv_data_type=self.dtype,
             lse_mode="base2",
         )
+
+    def plan_prefix_tail(
+        self,
+        plan: PrefixTailPlan,
+        block_table: torch.Tensor,
+        row_lens: torch.Tensor,
+        row_block_table: torch.Tensor,
+    ) -> None:
+        """Plan FA3 over the prefix segments; ``run`` adds the tails.
+
+        Args:
+            plan: the host plan (``plan_prefix_tail_host``) of T rows.
+            block_table: int32 [R, B] local block table of the requests.
+            row_lens: int32 [>= T] exact local KV tokens of every row
+                (``FlatDecode.seq_lens``; 0 on padding rows).
+            row_block_table: int32 [>= T, B] local block table of every row.
+        """
+        num_rows, num_segs = plan.num_rows, plan.num_segments
+        num_cols = block_table.shape[1]
+        self._ensure_capacity(num_rows, num_cols)
+        device = self.device
+        # Page list of every segment, written into the persistent index
+        # buffer on the device (FlashInfer keeps its pointer for the run).
+        seg_to_req = _to_device(plan.seg_to_req, device)
+        kv_indptr_dev = _to_device(plan.kv_indptr, device)
+        pages = kv_indptr_dev[1:] - kv_indptr_dev[:-1]
+        cols = torch.arange(num_cols, dtype=torch.int32, device=device)
+        live = cols[None, :] < pages[:, None]
+        spare = self._kv_indices.shape[0] - 1
+        dest = torch.where(live, kv_indptr_dev[:-1, None] + cols[None, :], spare)
+        tables = block_table.index_select(0, seg_to_req)
+        self._kv_indices.scatter_(0, dest.reshape(-1).long(),
+                                  tables.to(torch.int32).reshape(-1))
+        self._row_prefix[:num_rows].copy_(_to_device(plan.row_prefix, device))
+        self._wrapper = self._wrapper_for(num_segs)
+        self._plan_fa3(plan.qo_indptr, plan.kv_indptr, self._kv_indices[:spare],
+                       plan.kv_lens, causal=False)
+        self.num_tokens = num_rows
+        self.tail = (row_block_table, row_lens, self._row_prefix)
+        self.csr = None
+
+    def plan_causal_prefix(self, flat: FlatDecode,
+                           query_start_loc: torch.Tensor) -> None:
+        """Eager convenience: ``plan_prefix_tail`` with every request's
+        prefix at its first token's exact local bound, read back from the
+        device (a sync; the backend plans from host data instead).
+
+        Under DCP a request's per-token local bounds ``l_0 <= .. <= l_{n-1}``
+        step by 0 or 1, so every token sees its request's first ``l_0`` local
+        keys: one segment per request reads the KV once and the tail kernel
+        adds each token's ``l_t - l_0 <= n - 1`` keys. Non-causal rows have
+        no tails.
+
+        Args:
+            flat: FlatDecode (N rows) of this rank.
+            query_start_loc: int32 [R + 1] request query offsets ``flat``
+                was built from.
+        """
+        qsl = query_start_loc.cpu()
+        row_lens = flat.seq_lens.cpu()
+        first = qsl[:-1].clamp(max=max(flat.num_rows - 1, 0)).long()
+        prefix = row_lens[first] if flat.num_rows else torch.zeros_like(first)
+        req_table = flat.block_table[first.to(flat.block_table.device)]
+        plan = plan_prefix_tail_host(qsl, prefix, num_rows=flat.num_rows,
+                                     page_size=self.page_size)
+        self.plan_prefix_tail(plan, req_table, flat.seq_lens, flat.block_table)
+
+    def _plan_segments(self, qo_indptr: torch.Tensor, csr: PagedKVCSR, *,
+                       causal: bool, num_tokens: int,
+                       token_empty: torch.Tensor) -> None:
+        """Plan given segments; rows past the last one get a KV-less segment
+        (FlashInfer >= 0.7.4 runs only the rows it planned)."""
+        self._wrapper = self._eager_wrapper
+        qo_host = qo_indptr.cpu().to(torch.int32)
+        kv_indptr, kv_lens = csr.kv_indptr, csr.kv_lens
+        if int(qo_host[-1]) < num_tokens:
+            qo_host = torch.cat([qo_host, qo_host.new_tensor([num_tokens])])
+            kv_indptr = torch.cat([kv_indptr, kv_indptr[-1:]])
+            kv_lens = torch.cat([kv_lens, kv_lens.new_zeros(1)])
+        self._plan_fa3(qo_host, kv_indptr.cpu(), csr.kv_indices, kv_lens.cpu(),
+                       causal=causal)
         self.csr = csr
         self.num_tokens = num_tokens
         self.token_empty = token_empty
-        # Plan syncs anyway: keep the (few) empty rows as an index list so
-        # that masking touches only them.
         self.empty_rows = torch.nonzero(token_empty).flatten()
         self.tail = None
 
     def plan_flat(self, flat: FlatDecode) -> None:
         """Plan one non-causal segment per flattened row (N rows, N tokens)."""
         csr = build_paged_kv_csr(flat.seq_lens, flat.block_table, self.page_size)
-        self._plan(flat.query_start_loc, csr, causal=False,
-                   num_tokens=flat.num_rows, token_empty=flat.empty)
+        self._plan_segments(flat.query_start_loc, csr, causal=False,
+                            num_tokens=flat.num_rows, token_empty=flat.empty)
 
     def plan_grouped(self, grouped, num_tokens: int) -> None:
         """Plan one non-causal segment per row group.
 
         Args:
             grouped: ``triton_dcp_metadata.GroupedDecode`` (G_max groups);
-                ``num_groups`` is read on the host (plan syncs anyway).
+                ``num_groups`` is read on the host (a sync).
             num_tokens: T, query rows of ``run``'s input (the flat row count).
         """
         num_groups = int(grouped.num_groups[0])
@@ -357,46 +492,8 @@ class FlashInferSm90MLA:
                                  self.page_size)
         empty = token_empty_mask(groups.query_start_loc, groups.seq_lens,
                                  num_tokens)
-        self._plan(groups.query_start_loc, csr, causal=False,
-                   num_tokens=num_tokens, token_empty=empty)
-
-    def plan_causal_prefix(self, flat: FlatDecode,
-                           query_start_loc: torch.Tensor) -> None:
-        """Plan causal rows as a shared prefix plus a short per-token tail.
-
-        Under DCP a request's per-token local bounds ``l_0 <= .. <= l_{n-1}``
-        step by 0 or 1, so every token sees the request's first ``l_0``
-        local keys: one non-causal segment per request over ``l_0`` keys
-        reads the KV once (like FlashInfer's native multi-token decode), and
-        ``causal_tail_merge`` adds each token's ``l_t - l_0 <= n - 1`` tail
-        keys and merges. Works for non-causal rows too (empty tails).
-
-        Args:
-            flat: FlatDecode (N rows) of this rank.
-            query_start_loc: int32 [R + 1] request query offsets ``flat``
-                was built from.
-        """
-        device = flat.seq_lens.device
-        num_rows = flat.num_rows
-        q_lens = query_start_loc[1:] - query_start_loc[:-1]
-        starts = query_start_loc[:-1][q_lens > 0]  # host sync (plan syncs)
-        num_tokens = min(int(query_start_loc[-1]), num_rows)
-        starts = starts[starts < num_tokens]
-        seg_qsl = torch.cat([starts, starts.new_tensor([num_tokens])])
-        csr = build_paged_kv_csr(flat.seq_lens[starts.long()],
-                                 flat.block_table[starts.long()], self.page_size)
-        rows = torch.arange(num_rows, dtype=torch.int32, device=device)
-        first = query_start_loc[flat.row_to_req.long()].long()
-        prefix = flat.seq_lens[first.clamp(max=max(num_rows - 1, 0))]
-        prefix_lens = torch.where(rows < num_tokens, prefix, 0).to(torch.int32)
-        tails = flat.seq_lens - prefix_lens
-        tail_rows = torch.nonzero(tails > 0).flatten().to(torch.int32)
-        self._plan(seg_qsl, csr, causal=False, num_tokens=num_rows,
-                   token_empty=flat.empty)
-        if tail_rows.numel():  # none for non-causal draft blocks
-            max_tail = int(tails.max())
-            self.tail = (flat.block_table, flat.seq_lens, prefix_lens, max_tail,
-                         tail_rows)
+        self._plan_segments(groups.query_start_loc, csr, causal=False,
+                            num_tokens=num_tokens, token_empty=empty)
 
     def plan_requests(self, query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
                       block_table: torch.Tensor, *, causal: bool) -> None:
@@ -409,8 +506,8 @@ class FlashInferSm90MLA:
         csr = build_paged_kv_csr(kv_lens, block_table, self.page_size)
         num_tokens = int(query_start_loc[-1])
         empty = token_empty_mask(query_start_loc, kv_lens, num_tokens)
-        self._plan(query_start_loc, csr, causal=causal, num_tokens=num_tokens,
-                   token_empty=empty)
+        self._plan_segments(query_start_loc, csr, causal=causal,
+                            num_tokens=num_tokens, token_empty=empty)
 
     # ------------------------------------------------------------------ run
     def run(
@@ -422,21 +519,29 @@ class FlashInferSm90MLA:
         lse: torch.Tensor | None = None,
         mask_empty: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of the planned segments for one layer.
+        """Attention of the planned rows for one layer (no host sync).
 
         Args:
-            q: [T, H, Dv + Dr] queries (absorbed latent part, then rope part).
+            q: [T, H, Dv + Dr] queries (absorbed latent part, then rope part);
+                T must be the planned row count.
             kv_cache: [P, page, Dv + Dr] paged latent cache of this rank.
-            out, lse: optional [T, H, Dv] / float32 [T, H] output buffers.
+            out, lse: optional [T, H, Dv] / float32 [T, H] contiguous outputs.
             mask_empty: zero ``out`` and set ``lse = -inf`` on rows with no
-                local KV (and padding rows).
+                local KV (and padding rows); the prefix+tail plan always does.
 
         Returns:
             ``(out [T, H, Dv] in q's dtype, lse [T, H] float32, natural log)``.
         """
-        assert self.token_empty is not None, "plan first"
         num_tokens = q.shape[0]
-        assert num_tokens == self.num_tokens, (num_tokens, self.num_tokens)
+        if num_tokens != self.num_tokens or (self.tail is None
+                                             and self.token_empty is None):
+            raise ValueError(
+                f"FA3 MLA run of {num_tokens} rows, but the last plan was for "
+                f"{self.num_tokens}: plan every forward's rows before running")
+        if q.shape[1] != self.num_heads or q.dtype != self.dtype:
+            raise ValueError(
+                f"FA3 MLA planned for {self.num_heads} heads of {self.dtype}, "
+                f"got {q.shape[1]} of {q.dtype}")
         if out is None:
             out = q.new_empty(num_tokens, q.shape[1], self.kv_lora_rank)
         if lse is None:
@@ -444,13 +549,14 @@ class FlashInferSm90MLA:
                               device=q.device)
         self._wrapper.run(query=q, kv_cache=kv_cache, out=out, lse=lse,
                           return_lse=True)
+        if self.tail is not None:
+            row_table, row_lens, row_prefix = self.tail
+            tail_merge(q, kv_cache, row_table, row_lens[:num_tokens],
+                       row_prefix[:num_tokens], out, lse,
+                       sm_scale=self.sm_scale, lse_in_base2=True)
+            return out, lse
         lse.mul_(LN2)  # FlashInfer's MLA LSE is base 2
         if mask_empty and self.empty_rows.numel():
             out.index_fill_(0, self.empty_rows, 0.0)
             lse.index_fill_(0, self.empty_rows, float("-inf"))
-        if self.tail is not None:
-            table, row_lens, prefix_lens, max_tail, tail_rows = self.tail
-            causal_tail_merge(q, kv_cache, table, row_lens, prefix_lens, out,
-                              lse, sm_scale=self.sm_scale, max_tail=max_tail,
-                              tail_rows=tail_rows)
         return out, lse

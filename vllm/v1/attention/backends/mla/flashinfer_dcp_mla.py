@@ -12,12 +12,13 @@ any ``--cp-kv-cache-interleave-size``:
   its local length; natural-log LSE.
 - sm90 (Hopper, which no upstream backend serves for a DSpark draft under
   DCP): FlashInfer's FA3 MLA (``BatchMLAPagedAttentionWrapper``), planned
-  once per forward and run by every layer; natural-log LSE. A request's
-  tokens share the local keys below its first token's bound, so the plan is
-  one segment per request over that prefix (the KV is read once, as in
-  FlashInfer's own multi-token decode) plus each causal token's short tail
-  (at most q_len - 1 keys), merged by a Triton kernel; a non-causal draft
-  block has no tail.
+  by the builder once per forward from host data (no device-to-host sync of
+  ours) and only run by every layer, so uniform decode batches replay in
+  full CUDA graphs; natural-log LSE. A request's tokens share the local keys
+  below its first token's bound, so the plan is one segment per request over
+  a host-known lower bound of that prefix (the KV is read once, as in
+  FlashInfer's own multi-token decode) plus each token's remaining keys,
+  attended and merged by one Triton launch over all rows.
   On sm90 the rows are built at DCP size 1 too (the trtllm-gen path is
   sm100-only).
 
@@ -87,14 +88,105 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             self, kv_cache_spec, layer_names, vllm_config, device,
             FlashInferMLAMetadata, supports_dcp_with_varlen=True)
         self._init_dcp_rows()
+        self._sm90_layer_names = list(layer_names)  # their impls' scale
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # FA3 MLA plans on the host (it syncs on the indptrs) once per forward,
-        # inside the first layer: not capturable in a CUDA graph.
         if checks.current_gpu_major() == 9:
+            # sm90 (DCP > 1 only): the builder plans FA3 from host data into
+            # persistent buffers and every layer only runs, so a uniform
+            # decode batch (every segment q_len tokens) replays in a graph.
+            dcp_size = (vllm_config.parallel_config.decode_context_parallel_size
+                        if vllm_config is not None else 1)
+            if dcp_size > 1:
+                return AttentionCGSupport.UNIFORM_BATCH
             return AttentionCGSupport.NEVER
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+
+    # ------------------------------------------------------------ sm90 plan
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        # The sm90 plan reads vLLM's host copy of the sequence lengths (an
+        # upper bound under async speculative decoding).
+        self._host_seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+    def _build_decode(self, *, block_table_tensor, seq_lens_device, max_seq_len,
+                      query_start_loc_cpu, query_start_loc_device,
+                      num_decode_tokens, max_query_len, dcp_tot_seq_lens_device):
+        decode = super()._build_decode(
+            block_table_tensor=block_table_tensor, seq_lens_device=seq_lens_device,
+            max_seq_len=max_seq_len, query_start_loc_cpu=query_start_loc_cpu,
+            query_start_loc_device=query_start_loc_device,
+            num_decode_tokens=num_decode_tokens, max_query_len=max_query_len,
+            dcp_tot_seq_lens_device=dcp_tot_seq_lens_device)
+        if self.rows_without_dcp and isinstance(decode, DCPDecodeMetadata):
+            self._plan_sm90(decode, block_table_tensor, query_start_loc_cpu,
+                            num_decode_tokens)
+        return decode
+
+    def _sm90_prefix_lens(self, decode: DCPDecodeMetadata,
+                          query_start_loc_cpu: torch.Tensor) -> torch.Tensor:
+        """int64 CPU [R]: local KV tokens every query token of each decode
+        request sees on this rank, from vLLM's host lengths (an upper bound,
+        by at most the draft tokens, under async speculative decoding)."""
+        from vllm.v1.attention.ops.flashinfer_sm90_mla import host_prefix_lens
+
+        host = self._host_seq_lens
+        if host is None:  # vLLM kept no host copy: read the device's (a sync)
+            host = decode.dcp_tot_seq_lens.cpu()
+        spec = self.vllm_config.speculative_config
+        return host_prefix_lens(
+            host, query_start_loc_cpu, causal=decode.causal,
+            slack=(spec.num_speculative_tokens or 0) if spec is not None else 0,
+            world_size=decode.dcp_world_size, rank=decode.dcp_rank,
+            interleave=decode.interleave)
+
+    def _sm90_kernel(self, decode: DCPDecodeMetadata):
+        """The group's FA3 kernel object, made on the first plan (the layers'
+        softmax scale is read off their impls, as vLLM's FlashInfer builder
+        does); its buffers are sized for the largest decode batch."""
+        from vllm.v1.attention.ops import flashinfer_sm90_mla as fa3
+
+        kernel = decode.kernel_state.get("fa3_sm90")
+        if kernel is not None:
+            return kernel
+        context = self.vllm_config.compilation_config.static_forward_context
+        scales = {getattr(getattr(context[name], "impl", None), "scale", None)
+                  for name in self._sm90_layer_names}
+        if len(scales) != 1 or None in scales:
+            raise ValueError(
+                f"FLASHINFER_MLA on sm90 plans one softmax scale per KV-cache "
+                f"group; its layers have {sorted(map(str, scales))}")
+        rows = decode.flat
+        # A uniform batch padded to a capture size C has C / q_len segments:
+        # those plans get FlashInfer's CUDA-graph wrappers (one each).
+        query_len = max(self.reorder_batch_threshold, 1)
+        sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+        kernel = fa3.FlashInferSm90MLA(
+            _get_workspace_buffer(True), num_heads=self.num_heads * self.dcp_world_size,
+            page_size=self.kv_cache_spec.block_size, sm_scale=scales.pop(),
+            dtype=self.vllm_config.model_config.dtype,
+            kv_lora_rank=self.mla_dims.kv_lora_rank,
+            rope_dim=self.mla_dims.qk_rope_head_dim,
+            max_rows=max(self._dcp_row_capacity(), rows.num_rows),
+            max_cols=rows.block_table.shape[1],
+            graph_segment_counts={c // query_len for c in sizes if c % query_len == 0})
+        decode.kernel_state["fa3_sm90"] = kernel
+        return kernel
+
+    def _plan_sm90(self, decode: DCPDecodeMetadata, block_table: torch.Tensor,
+                   query_start_loc_cpu: torch.Tensor, num_rows: int) -> None:
+        """Plan this forward's FA3 prefix segments from host data (no
+        device-to-host sync here), once for every layer of the group."""
+        from vllm.v1.attention.ops import flashinfer_sm90_mla as fa3
+
+        kernel = self._sm90_kernel(decode)
+        plan = fa3.plan_prefix_tail_host(
+            query_start_loc_cpu, self._sm90_prefix_lens(decode, query_start_loc_cpu),
+            num_rows=num_rows, page_size=kernel.page_size)
+        rows = decode.flat.slice(num_rows)
+        kernel.plan_prefix_tail(plan, block_table, rows.seq_lens, rows.block_table)
+        kernel.planned_forward_id = decode.forward_id
 
 
 class FlashInferDCPMLAImpl(FlashInferMLAImpl):
@@ -163,22 +255,18 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
         return out.view(num_rows, q.shape[1], -1), lse.view(num_rows, q.shape[1])
 
     def _decode_rows_sm90(self, q, kv_cache, decode: DCPDecodeMetadata):
-        """FA3 MLA: the first layer of a forward plans, every layer runs."""
-        from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
-
-        key = ("fa3", q.shape[1], self.scale, q.dtype)
-        kernel = decode.kernel_state.get(key)
-        if kernel is None:
-            kernel = FlashInferSm90MLA(
-                _get_workspace_buffer(True), num_heads=q.shape[1],
-                page_size=kv_cache.shape[1], sm_scale=self.scale, dtype=q.dtype,
-                kv_lora_rank=self.kv_lora_rank, rope_dim=self.qk_rope_head_dim)
-            decode.kernel_state[key] = kernel
-        if getattr(kernel, "planned_forward_id", None) != decode.forward_id:
-            kernel.plan_causal_prefix(decode.flat.slice(q.shape[0]),
-                                      decode.query_start_loc)
-            kernel.planned_forward_id = decode.forward_id
-        return kernel.run(q, kv_cache, mask_empty=False)
+        """FA3 MLA prefix + Triton tails, as the builder planned them for this
+        forward; the layer only runs (capturable in a CUDA graph)."""
+        kernel = decode.kernel_state.get("fa3_sm90")
+        if kernel is None or getattr(kernel, "planned_forward_id", None) != decode.forward_id:
+            raise RuntimeError(
+                "FLASHINFER_MLA on sm90: no FA3 plan for this forward; the "
+                "metadata builder plans once per forward before the layers run")
+        if kernel.sm_scale != self.scale:
+            raise ValueError(
+                f"FLASHINFER_MLA on sm90 planned softmax scale {kernel.sm_scale}, "
+                f"layer has {self.scale}")
+        return kernel.run(q, kv_cache)
 
 
 class FlashInferDCPMLABackend(FlashInferMLABackend):
@@ -191,6 +279,13 @@ class FlashInferDCPMLABackend(FlashInferMLABackend):
     @staticmethod
     def get_builder_cls() -> type[FlashInferDCPMLAMetadataBuilder]:
         return FlashInferDCPMLAMetadataBuilder
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # sm90 plans FA3's per-request segments from the host query offsets.
+        if checks.current_gpu_major() == 9:
+            return False
+        return super().supports_device_cpu_query_lens_mismatch()
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability) -> bool:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Device run: for each FlashInfer version given, unpack it (trimmed zips under
+# $WHL: v<version>.zip without the cutlass/cccl/spdlog headers, common.zip with
+# them, the apache-tvm-ffi wheel), then run the CUDA adapter tests, the DCP
+# check against float32 full attention (peaky + flat LSE-sensitivity passes)
+# and the CUDA-graph replay check. PLANT=1 adds the planted runs (off-by-one
+# bound, FlashInfer's non-graph wrapper under a graph), which must fail.
+# Usage (repo root, on the device): WHL=path bash gpu/run_versions.sh 0.7.4 0.7.2.post1
+set -u
+OUT=${OUT:-.out}; mkdir -p "$OUT"; RES=/tmp/dcp_results; rm -rf $RES; mkdir -p $RES
+WHL=${WHL:-.whl}
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+step() { echo; echo "=== $1 ($(( $(date +%s) - T0 ))s)"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+FIRST=""
+for v in "$@"; do
+  step "flashinfer $v: unpack"
+  D=/tmp/fi_$v; rm -rf $D; mkdir -p $D
+  unz() { python3 -m zipfile -e "$1" "$2"; }
+  unz "$WHL/v$v.zip" $D && mkdir -p $D/flashinfer/data && unz "$WHL/common.zip" $D/flashinfer/data \
+    && unz "$(ls "$WHL"/apache_tvm_ffi-*.whl)" $D || { echo "UNPACK FAILED"; continue; }
+  export PYTHONPATH=$D:. FLASHINFER_WORKSPACE_BASE=/tmp/fiws_$v
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || continue
+  [ -z "$FIRST" ] && FIRST=$v
+  step "$v pytest"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_flashinfer_sm90_adapter.py \
+    tests/test_triton_dcp_metadata.py 2>&1 | tail -6
+  step "$v check_flashinfer"
+  timeout 240 python3 gpu/check_flashinfer.py --csv $RES/check_$v.csv 2>&1 | grep -v -i warn \
+    | tee $RES/check_$v.txt | tail -4
+  echo "check rc=${PIPESTATUS[0]}"
+  step "$v check_graph"
+  timeout 200 python3 gpu/check_graph.py 2>&1 | grep -v -i warn | tee $RES/graph_$v.txt
+  echo "graph rc=${PIPESTATUS[0]}"
+done
+if [ "${PLANT:-0}" = 1 ] && [ -n "$FIRST" ]; then
+  export PYTHONPATH=/tmp/fi_$FIRST:. FLASHINFER_WORKSPACE_BASE=/tmp/fiws_$FIRST
+  step "planted off-by-one ($FIRST)"
+  timeout 150 python3 gpu/check_flashinfer.py --heads 16 --world 2 4 --interleave 1 16 \
+    --plant-off-by-one --csv $RES/check_planted.csv 2>&1 | grep -v -i warn \
+    | tee $RES/check_planted.txt | tail -28
+  echo "planted check rc=${PIPESTATUS[0]} (must be 1)"
+  step "planted non-graph FlashInfer wrapper ($FIRST)"
+  timeout 100 python3 gpu/check_graph.py --heads 16 --world 2 --batches 3 \
+    --plant-plain-wrapper 2>&1 | grep -v -i warn | tee $RES/graph_planted.txt
+  echo "planted graph rc=${PIPESTATUS[0]} (must be 1)"
+fi
+step done
+tar czf $OUT/results.tar.gz -C $RES .

@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FLASHINFER_MLA's sm90 path the way vLLM drives it, on CPU.
+
+vLLM 0.32's own ``VllmConfig``, ``CommonAttentionMetadata`` and the real
+``FlashInferDCPMLAMetadataBuilder`` / ``FlashInferDCPMLAImpl``: the builder
+plans FA3 from host data once per forward (``seq_lens_cpu_upper_bound``
+optimistic by up to the draft tokens, as under async speculative decoding),
+every layer's ``forward_mqa`` only runs. FA3 is the stand-in of
+``test_flashinfer_sm90_adapter`` (honours the plan it is given, FlashInfer
+0.7.4's planned-shape contract, CUDA-graph wrappers with reserved buffers);
+the tail kernel is the real Triton one, so the ``triton_path`` tests run under
+``TRITON_INTERPRET=1`` (``test_interpreter_runs_triton_path_tests`` starts
+them in a subprocess on every CI run). The ranks' outputs, merged, must equal
+``dense_reference.full_attention``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from builder_harness import common_metadata, fake_dcp_group, make_builder, make_vllm_config
+from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
+from kernel_stubs import import_on_cpu
+from test_flashinfer_sm90_adapter import _FakeMeta, _FakeWrapper
+from vllm.v1.attention.ops import dcp_decode
+
+CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(
+    not CAN_RUN_TRITON,
+    reason="run under TRITON_INTERPRET=1 by test_interpreter_runs_triton_path_tests")
+
+# Query heads after vLLM's DCP query gather: the tiny model's 8 heads
+# (TP = DCP, so every rank sees all of them).
+NUM_HEADS = 8
+BLOCK_SIZE = 16
+NUM_LAYERS = 3
+NUM_SPEC = 3
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """The backend module as on an H200, FA3 stood in by the plan-honouring fake."""
+    module = import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_dcp_mla")
+    pkg = types.ModuleType("flashinfer")
+    mla = types.ModuleType("flashinfer.mla")
+    mla.BatchMLAPagedAttentionWrapper = _FakeWrapper
+    mla.MLAPlanMetadata = _FakeMeta
+    pkg.mla = mla
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    monkeypatch.setattr(module.checks, "current_gpu_major", lambda: 9)
+    monkeypatch.setattr(module, "_get_workspace_buffer",
+                        lambda *a, **k: torch.empty(8, dtype=torch.uint8))
+    _FakeWrapper.calls = []
+    return module
+
+
+def _make_impl(module, scale):
+    return module.FlashInferDCPMLAImpl(
+        num_heads=NUM_HEADS, head_size=KV_LORA_RANK + ROPE_DIM, scale=scale,
+        num_kv_heads=1, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
+        logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+        q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128,
+        qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM, v_head_dim=128,
+        kv_b_proj=None)
+
+
+def _layer():
+    return SimpleNamespace(_q_scale_float=1.0, _k_scale_float=1.0,
+                           dcp_manager=SimpleNamespace(combine=mock.Mock()))
+
+
+CASES = {  # (seq_lens, query_lens): q_len <= 1 + NUM_SPEC
+    # Uniform; short requests whose first tokens have no local prefix.
+    "uniform": ([37, 4, 300, 18, 130], [4, 4, 4, 4, 4]),
+    # CUDA-graph padding: trailing zero-length requests (padding rows).
+    "padded": ([37, 4, 300, 0, 0], [4, 4, 4, 0, 0]),
+    "ragged": ([37, 2, 300, 18, 130], [4, 1, 3, 2, 4]),
+}
+
+
+def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
+    """Every rank: real builder + NUM_LAYERS forward_mqa calls; returns the
+    merged (out, lse), the reference and the per-rank plan counts."""
+    seq_lens, query_lens = CASES[shape]
+    batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
+                                num_heads=NUM_HEADS, seed=seed)
+    batch.q = batch.q.bfloat16().float()
+    null = batch.kv_cache[0].clone()
+    batch.kv_cache = batch.kv_cache.bfloat16().float()
+    batch.kv_cache[0] = null
+    ref_out, ref_lse = full_attention(batch, causal=causal)
+    shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
+                                       batch.seq_lens, world_size=world,
+                                       interleave=interleave)
+    config = make_vllm_config(tmp_path / "model", dcp=world, interleave=interleave,
+                              block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC)
+    config.model_config.dtype = torch.bfloat16
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    gen = torch.Generator().manual_seed(seed + 7)
+    outs, lses, plans = [], [], []
+    for rank, (cache, table) in enumerate(shards):
+        from vllm.config import set_current_vllm_config
+
+        with fake_dcp_group(world, rank), set_current_vllm_config(config):
+            builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config,
+                                   layer_names=layer_names, non_causal=not causal)
+            impl = _make_impl(sm90, batch.scale)
+            context = config.compilation_config.static_forward_context
+            for name in layer_names:
+                context[name].impl = impl
+            common = common_metadata(seq_lens, query_lens, table, world_size=world,
+                                     rank=rank, interleave=interleave, causal=causal)
+            # Async spec decode: the host lengths assume every draft accepted.
+            common.seq_lens_cpu_upper_bound = common.seq_lens + torch.randint(
+                0, NUM_SPEC + 1, common.seq_lens.shape, generator=gen).int()
+            before = sum(c[0] == "plan" for c in _FakeWrapper.calls)
+            metadata = builder.build(0, common)
+            q = batch.q.bfloat16()
+            results = [impl.forward_mqa(q, cache.bfloat16(), metadata, _layer())
+                       for _ in layer_names]
+            plans.append(sum(c[0] == "plan" for c in _FakeWrapper.calls) - before)
+        for out, lse in results[1:]:
+            assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+        outs.append(results[0][0].float())
+        lses.append(results[0][1])
+    out, lse = dcp_decode.merge_partials(torch.stack(outs), torch.stack(lses))
+    real = int(batch.query_start_loc[-1])
+    return out[:real], lse[:real], ref_out, ref_lse, plans
+
+
+@needs_triton
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16)])
+@pytest.mark.parametrize("causal,shape", [(True, "uniform"), (True, "padded"),
+                                          (True, "ragged"), (False, "uniform"),
+                                          (False, "padded")])
+def test_triton_path_backend_merges_to_full_attention(sm90, tmp_path, world,
+                                                      interleave, causal, shape):
+    out, lse, ref_out, ref_lse, plans = _run_ranks(
+        sm90, tmp_path, world=world, interleave=interleave, causal=causal,
+        shape=shape, seed=world)
+    assert plans == [1] * world, "one FA3 plan per forward (in the builder)"
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_refuses_a_forward_the_builder_did_not_plan(sm90, tmp_path):
+    """The layers never plan: metadata of a build whose plan was replaced by a
+    later build (a stale forward) is refused, loudly."""
+    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
+                              num_speculative_tokens=NUM_SPEC)
+    seq_lens, query_lens = CASES["uniform"]
+    batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
+                                num_heads=NUM_HEADS)
+    from vllm.config import set_current_vllm_config
+
+    with fake_dcp_group(2, 0), set_current_vllm_config(config):
+        builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config)
+        impl = _make_impl(sm90, batch.scale)
+        config.compilation_config.static_forward_context[
+            "model.layers.0.attn"].impl = impl
+        common = common_metadata(seq_lens, query_lens, batch.block_table,
+                                 world_size=2, rank=0, interleave=1)
+        first = builder.build(0, common)
+        builder.build(0, common)
+        with pytest.raises(RuntimeError, match="no FA3 plan for this forward"):
+            impl.forward_mqa(batch.q.bfloat16(), batch.kv_cache.bfloat16(), first,
+                             _layer())
+
+
+def test_sm90_graph_support_and_host_offsets(sm90, tmp_path):
+    """Full graphs for uniform batches at DCP > 1; at DCP 1 none (the backend
+    is not selectable there); the host query offsets must match the device's
+    (vLLM's adaptive verification then picks another backend)."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    builder_cls = sm90.FlashInferDCPMLAMetadataBuilder
+    assert builder_cls.get_cudagraph_support(
+        make_vllm_config(tmp_path / "a", dcp=2), None) == AttentionCGSupport.UNIFORM_BATCH
+    assert builder_cls.get_cudagraph_support(
+        make_vllm_config(tmp_path / "b", dcp=1), None) == AttentionCGSupport.NEVER
+    assert not sm90.FlashInferDCPMLABackend.supports_device_cpu_query_lens_mismatch()
+
+
+@pytest.mark.skipif(CAN_RUN_TRITON, reason="the triton_path tests run directly here")
+def test_interpreter_runs_triton_path_tests():
+    """Every CI run: the triton_path tests under Triton's interpreter."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+         __file__, "-k", "triton_path and not interpreter_runs"],
+        capture_output=True, text=True, timeout=1800,
+        env=dict(os.environ, TRITON_INTERPRET="1"))
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail

@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Finish a prefix+tail MLA decode: attend each row's tail keys, merge in place.
+
+A planned kernel (FlashInfer's FA3 MLA on sm90) has already written each query
+row's attention over its first ``prefix_lens[t]`` local keys into ``out`` /
+``lse``. This kernel (one Triton launch over every row) attends to the row's
+remaining keys ``[prefix_lens[t], row_lens[t])``, any number of them, with an
+online softmax, merges them with the prefix partial, and leaves the final
+output and a natural-log LSE. It also finishes every other row:
+
+- no local keys (``row_lens == 0``, padding included): out 0, lse -inf;
+- no tail: out kept, lse converted to natural log;
+- ``row_lens < prefix_lens`` (a plan whose host-side bound was not a lower
+  bound of the device's exact one): out and lse NaN, so that the error is loud.
+
+Because every row is handled by the same launch whatever its data, the launch
+is the same for every batch of a CUDA graph's size.
+
+Imports no vllm module. Shapes: T rows, H heads, Dv = kv_lora_rank,
+Dr = rope dim, P pages, page = tokens per page, B block-table columns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the prefix+tail path needs Triton
+    triton = None
+
+__all__ = ["LN2", "tail_merge"]
+
+LN2 = math.log(2.0)
+
+if triton is not None:
+
+    @triton.jit
+    def _tail_merge_kernel(
+        q_ptr, q_stride_t, q_stride_h,
+        kv_ptr, kv_stride_p, kv_stride_s,
+        bt_ptr, bt_stride,
+        row_lens_ptr, prefix_lens_ptr,
+        out_ptr, lse_ptr,
+        num_heads, page_size, sm_scale, lse_in_scale,
+        DV: tl.constexpr, DR: tl.constexpr,
+        BLOCK_H: tl.constexpr, KEYS: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Program = (row t, BLOCK_H heads)."""
+        t = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = heads < num_heads
+        row_len = tl.load(row_lens_ptr + t)
+        prefix_len = tl.load(prefix_lens_ptr + t)
+        # Per-head copies of the row scalars (masks need tensors).
+        row_len_h = tl.zeros_like(heads) + row_len
+        prefix_h = tl.zeros_like(heads) + prefix_len
+        has_prefix = prefix_h > 0
+        has_tail = row_len_h > prefix_h
+        is_empty = row_len_h == 0
+        bad = row_len_h < prefix_h
+
+        dv = tl.arange(0, DV)
+        dr = tl.arange(0, DR)
+        out_rows = t.to(tl.int64) * num_heads + heads
+        o_ptrs = out_ptr + out_rows[:, None] * DV + dv[None, :]
+        # Running softmax state, seeded with the prefix partial: max m, sum l
+        # (relative to m), unnormalised output acc.
+        m = tl.load(lse_ptr + out_rows, mask=h_ok & has_prefix,
+                    other=float("-inf")) * lse_in_scale
+        l_sum = tl.where(has_prefix, 1.0, 0.0)
+        acc = tl.load(o_ptrs, mask=(h_ok & has_prefix & has_tail)[:, None],
+                      other=0.0).to(tl.float32)
+
+        q_row = q_ptr + t.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h
+        q_ok = (h_ok & has_tail)[:, None]
+        q_c = tl.load(q_row + dv[None, :], mask=q_ok, other=0.0).to(tl.float32)
+        q_r = tl.load(q_row + DV + dr[None, :], mask=q_ok, other=0.0).to(tl.float32)
+        bt_row = bt_ptr + t.to(tl.int64) * bt_stride
+        for start in range(prefix_len, row_len, KEYS):
+            keys = start + tl.arange(0, KEYS)
+            k_ok = keys < row_len
+            page = tl.load(bt_row + keys // page_size, mask=k_ok, other=0)
+            slot = page.to(tl.int64) * kv_stride_p + (keys % page_size) * kv_stride_s
+            k_c = tl.load(kv_ptr + slot[:, None] + dv[None, :], mask=k_ok[:, None],
+                          other=0.0).to(tl.float32)
+            k_r = tl.load(kv_ptr + slot[:, None] + DV + dr[None, :],
+                          mask=k_ok[:, None], other=0.0).to(tl.float32)
+            # bf16 values are exact in tf32, so "tf32" keeps q.k exact for
+            # bf16 inputs; fp32 inputs ask for "ieee".
+            scores = (tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
+                      + tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION))
+            scores = tl.where(k_ok[None, :], scores * sm_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)  # 0 while nothing was seen yet
+            probs = tl.exp(scores - m_safe[:, None])
+            l_sum = l_sum * alpha + tl.sum(probs, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(probs, k_c,
+                                                input_precision=PRECISION)
+            m = m_new
+
+        norm = tl.where(l_sum > 0, l_sum, 1.0)
+        merged = acc / norm[:, None]
+        lse = tl.where(l_sum > 0, m + tl.log(norm), float("-inf"))
+        merged = tl.where(bad[:, None], float("nan"), merged)
+        lse = tl.where(bad, float("nan"), lse)
+        tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty),
+                 mask=(h_ok & (has_tail | is_empty | bad))[:, None])
+        tl.store(lse_ptr + out_rows, lse, mask=h_ok)
+
+
+def tail_merge(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    row_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    sm_scale: float,
+    lse_in_base2: bool = True,
+    keys_per_step: int = 16,
+) -> None:
+    """Finish prefix+tail decode of every row in place (one launch).
+
+    Row ``t`` must attend to local keys ``[0, row_lens[t])``; ``out[t]`` /
+    ``lse[t]`` hold its attention over ``[0, prefix_lens[t])`` (read only
+    where ``prefix_lens[t] > 0``; ``lse`` in base 2 with ``lse_in_base2``, as
+    FlashInfer's MLA returns it).
+
+    Args:
+        q: [T, H, Dv + Dr] queries. kv_cache: [P, page, Dv + Dr].
+        block_table: int32 [T, B] local block table of each row.
+        row_lens, prefix_lens: int32 [T], on q's device.
+        out: [T, H, Dv] contiguous; lse: float32 [T, H] contiguous; both are
+            overwritten with the final output and natural-log LSE.
+        keys_per_step: tail keys attended per loop step (a power of 2, >= 16).
+    """
+    num_tokens, num_heads, width = q.shape
+    if num_tokens == 0:
+        return
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert out.shape[0] == lse.shape[0] == row_lens.shape[0] == num_tokens
+    dv = out.shape[-1]
+    block_h = 16
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _tail_merge_kernel[grid](
+        q, q.stride(0), q.stride(1),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        block_table, block_table.stride(0),
+        row_lens, prefix_lens, out, lse,
+        num_heads, kv_cache.shape[1], sm_scale, LN2 if lse_in_base2 else 1.0,
+        DV=dv, DR=width - dv, BLOCK_H=block_h, KEYS=keys_per_step,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8,
+    )
