@@ -18,10 +18,7 @@ import pytest
 import torch
 
 from builder_harness import make_vllm_config
-from test_backend_contracts import (
-    BLOCK_SIZE, NUM_HEADS, Backend, FakeSm90MLA, _layer, _make_impl,
-    assert_matches_full_attention, layer_batches, merge_ranks, run_steps,
-    shard_layers)
+from test_backend_contracts import Backend, assert_matches_full_attention, run_steps
 
 # The repro of issue 11: device lengths [5, 1, 3, 3], host [3, 3, 3, 3],
 # vLLM's promised bound 5 (1 + 4 drafts scheduled before the trim).
@@ -75,49 +72,32 @@ def test_cpu_backend_follows_the_device_layout(tmp_path, interleave):
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
-class PlanRecordingSm90(FakeSm90MLA):
-    """The sm90 stand-in, recording the query offsets it was planned with."""
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_flashinfer_sm90_declares_the_mismatch_unsupported(tmp_path, dcp):
+    """sm90 plans FA3's per-request segments from the host query offsets in
+    the builder (CUDA-graph planning), so it must tell vLLM that it cannot
+    take a device layout that differs from the host's; sm100 reads the
+    device offsets and keeps upstream's yes."""
+    from types import SimpleNamespace
 
-    def plan_causal_prefix(self, flat, query_start_loc):
-        super().plan_causal_prefix(flat, query_start_loc)
-        self.planned_query_start_loc = query_start_loc.clone()
-
-
-def test_flashinfer_sm90_plans_the_device_layout(tmp_path):
     from vllm.config import set_current_vllm_config
-
-    from builder_harness import common_metadata, fake_dcp_group, make_builder
+    from vllm.v1.worker.gpu.attn_utils import get_query_lens_mismatch_unsupported_backend
 
     backend = Backend("FLASHINFER_MLA")
-    (batch,) = layer_batches(SEQ_LENS, DEVICE_QUERY_LENS, torch.bfloat16,
-                             num_layers=1, seed=3)
-    (shards,) = shard_layers([batch], 2, 16)
-    config = make_vllm_config(tmp_path / "model", dcp=2, interleave=16,
-                              block_size=BLOCK_SIZE, num_speculative_tokens=4)
-    device_qsl = batch.query_start_loc
-    outs, lses = [], []
-    for rank, (cache, table) in enumerate(shards):
-        FakeSm90MLA.instances.clear()
-        with fake_dcp_group(2, rank), set_current_vllm_config(config), \
-                mock.patch.object(backend.module.checks, "current_gpu_major",
-                                  return_value=9), \
-                mock.patch.object(backend.module, "_get_workspace_buffer",
-                                  lambda *a: torch.empty(0)), \
-                mock.patch("vllm.v1.attention.ops.flashinfer_sm90_mla.FlashInferSm90MLA",
-                           PlanRecordingSm90):
-            builder = make_builder(backend.backend.get_builder_cls(), config)
-            impl = _make_impl(backend, batch.scale)
-            common = common_metadata(SEQ_LENS, DEVICE_QUERY_LENS, table, world_size=2,
-                                     rank=rank, interleave=16, **MISMATCH)
-            out, lse = impl.forward_mqa(batch.q.bfloat16(), cache.bfloat16(),
-                                        builder.build(0, common), _layer())
-        (kernel,) = FakeSm90MLA.instances
-        assert torch.equal(kernel.planned_query_start_loc, device_qsl)
-        outs.append(out.float())
-        lses.append(lse)
-    out, lse = merge_ranks(impl, outs, lses)
-    assert_matches_full_attention(batch, out, lse, causal=True, atol=2e-2,
-                                  lse_atol=1e-4)
+    flashinfer = backend.backend
+    config = make_vllm_config(tmp_path / "model", dcp=dcp, block_size=64,
+                              num_speculative_tokens=4)
+    groups = [[SimpleNamespace(backend=flashinfer, layer_names=["l0"])]]
+    with set_current_vllm_config(config):
+        with mock.patch.object(backend.module.checks, "current_gpu_major",
+                               return_value=9):
+            assert not flashinfer.supports_device_cpu_query_lens_mismatch()
+            assert get_query_lens_mismatch_unsupported_backend(groups) == \
+                flashinfer.__name__
+        with mock.patch.object(backend.module.checks, "current_gpu_major",
+                               return_value=10):
+            assert flashinfer.supports_device_cpu_query_lens_mismatch()
+            assert get_query_lens_mismatch_unsupported_backend(groups) is None
 
 
 def _validate(backend_cls, *, use_dcp):
