@@ -115,8 +115,7 @@ def _install_slot_mapping() -> bool:
 def _install_combine() -> bool:
     dispatcher = _find("vllm.triton_utils.dispatcher")
     kernel_cls = _find("vllm.v1.attention.ops.dcp", "CorrectAttnCPOutKernel")
-    override = getattr(kernel_cls, "kernel", None)
-    if dispatcher is None or override is None:
+    if dispatcher is None or getattr(kernel_cls, "kernel", None) is None:
         return False
     from vllm.v1.attention.ops.cpu_dcp_combine import correct_attn_out_kernel_cpu
 
@@ -126,6 +125,7 @@ def _install_combine() -> bool:
             {CORRECT_ATTN_OUT_KERNEL: correct_attn_out_kernel_cpu})
     # The launcher splits regular from constexpr arguments by counting the
     # kernel's ``constexprs``, which a Triton placeholder does not carry.
+    override = kernel_cls.kernel  # the dispatcher's placeholder
     if getattr(override, "constexprs", None) is None:
         override.constexprs = [override.arg_names.index(name)
                                for name in ("HEAD_DIM", "N_ROUNDED", "IS_BASE_E")]
