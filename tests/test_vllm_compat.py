@@ -140,6 +140,8 @@ def test_every_masking_combine_of_vllms_manager_is_routed(tmp_path, comm_backend
     route_combine_through_rows(layer)
     for name in masking:
         args = (torch.zeros(2, 8, 4), torch.zeros(2, 8))
+        if name == "v_up_proj_combine":  # + W_UV [H, L, V] and the output
+            args += (torch.zeros(8, 4, 2), torch.zeros(2, 4 * 2))
         getattr(manager, name)(*args, seq_lens=torch.ones(1),
                                query_start_loc=torch.tensor([0, 2]))
     called = [mock_ for mock_ in collectives.values() if mock_.called]
@@ -149,7 +151,7 @@ def test_every_masking_combine_of_vllms_manager_is_routed(tmp_path, comm_backend
         assert collective.call_args.kwargs.get("query_start_loc") is None
 
 
-def test_combine_routed_once_per_impl():
+def test_combine_wrapped_once_per_manager():
     from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
     from vllm.v1.attention.ops import dcp_decode
 

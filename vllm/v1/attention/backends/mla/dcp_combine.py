@@ -74,9 +74,9 @@ def finish_rows_decode(impl, out: torch.Tensor, lse: torch.Tensor, rows: FlatDec
     """What every DCP backend does after its kernel: mask the empty rows,
     route the layer's combine through that mask, hand LSE over if wanted.
 
-    The combine is routed once, on the impl's first DCP decode (an impl
-    serves one layer; vLLM creates the layer's manager after the impl, so
-    first use is the earliest point the impl sees it).
+    Each layer's manager is wrapped once, on its first DCP decode (vLLM
+    creates the manager after the impl and hands the impl no layer before
+    ``forward_mqa``); later forwards only read the manager's flag.
 
     Args:
         impl: the attention impl (``dcp_world_size``,
@@ -85,7 +85,6 @@ def finish_rows_decode(impl, out: torch.Tensor, lse: torch.Tensor, rows: FlatDec
         rows: the forward's ``DCPDecodeMetadata.flat``.
     """
     mask_empty_rows_(out, lse, rows)
-    if impl.dcp_world_size > 1 and not getattr(impl, "combine_routed", False):
+    if impl.dcp_world_size > 1:
         route_combine_through_rows(layer)
-        impl.combine_routed = True
     return out, (lse if impl.need_to_return_lse_for_decode else None)

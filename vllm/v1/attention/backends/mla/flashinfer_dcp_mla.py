@@ -62,9 +62,12 @@ except ImportError:  # vLLM 0.32
 
 def _current_dcp_size() -> int:
     """DCP size of the config being built or selected for (1 without one)."""
-    from vllm.config import get_current_vllm_config
-
-    return get_current_vllm_config().parallel_config.decode_context_parallel_size
+    try:  # vLLM >= 0.33 asserts outside a config context
+        from vllm.config import get_current_vllm_config_or_none as current
+    except ImportError:  # vLLM 0.32 returns a default config there
+        from vllm.config import get_current_vllm_config as current
+    config = current()
+    return 1 if config is None else config.parallel_config.decode_context_parallel_size
 
 
 def _check(vllm_config: VllmConfig, kv_cache_spec: AttentionSpec,
