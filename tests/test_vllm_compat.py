@@ -192,3 +192,41 @@ def test_absent_cpu_hooks_are_left_out_without_error():
         assert cpu_dcp_patches._install_slot_mapping() is False
         assert cpu_dcp_patches._install_combine() is False
         assert cpu_dcp_patches._install_rope_fix() is False
+
+
+# ---------------------------------------------------------------------------
+# vLLM >= 0.33: a cache every rank holds whole is built at DCP size 1.
+
+def test_replicated_cache_builder_sees_dcp_size_1(tmp_path):
+    """A DCP-1 draft under a ``-dcp 8`` target (``dcp_sharded=False``): the
+    builder runs at DCP size 1, so DCP-only limits (here an interleave that
+    does not divide the block) do not apply; a sharded cache still fails."""
+    import dataclasses
+
+    from builder_harness import fake_dcp_group, register_fake_mla_layers
+    from dense_reference import KV_LORA_RANK, ROPE_DIM
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if "dcp_sharded" not in {f.name for f in dataclasses.fields(MLAAttentionSpec)}:
+        pytest.skip("this vLLM shards every MLA cache under DCP (no dcp_sharded)")
+    module = import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_dcp_mla")
+    config = make_vllm_config(tmp_path / "m", dcp=8, interleave=48, block_size=64,
+                              num_speculative_tokens=3)
+    names = ["model.layers.0.attn"]
+    register_fake_mla_layers(config, names, non_causal=True)
+    results = {}
+    for sharded in (True, False):
+        spec = MLAAttentionSpec(block_size=64, num_kv_heads=1,
+                                head_size=KV_LORA_RANK + ROPE_DIM,
+                                dtype=torch.bfloat16, dcp_sharded=sharded)
+        with fake_dcp_group(8, 3), set_current_vllm_config(config), \
+                mock.patch.object(module.checks, "current_gpu_major", return_value=10):
+            try:
+                builder = module.FlashInferDCPMLAMetadataBuilder(
+                    spec, names, config, torch.device("cpu"))
+                results[sharded] = (builder.dcp_world_size, builder.dcp_rank)
+            except ValueError as error:
+                results[sharded] = str(error)
+    assert "--cp-kv-cache-interleave-size 48" in results[True]
+    assert results[False] == (1, 0)
