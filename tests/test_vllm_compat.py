@@ -183,6 +183,9 @@ def test_cpu_pieces_follow_what_vllm_has():
         assert installed["slot_mapping"] == has_slot_fallback
         assert installed["combine"]
     assert installed["rope"]
+    # Each piece on its own, whatever Triton's state (idempotent).
+    assert cpu_dcp_patches._install_slot_mapping() == has_slot_fallback
+    assert cpu_dcp_patches._install_rope_fix()
 
 
 def test_absent_cpu_hooks_are_left_out_without_error():
