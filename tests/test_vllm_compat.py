@@ -201,9 +201,10 @@ def test_absent_cpu_hooks_are_left_out_without_error():
 # vLLM >= 0.33: a cache every rank holds whole is built at DCP size 1.
 
 def test_replicated_cache_builder_sees_dcp_size_1(tmp_path):
-    """A DCP-1 draft under a ``-dcp 8`` target (``dcp_sharded=False``): the
-    builder runs at DCP size 1, so DCP-only limits (here an interleave that
-    does not divide the block) do not apply; a sharded cache still fails."""
+    """A DCP-1 draft under a ``-dcp 8`` target (``dcp_sharded=False``): where
+    vLLM builds such a cache at DCP size 1 (>= 0.33) so does the plugin, and
+    DCP-only limits (here an interleave that does not divide the block) do
+    not apply; a sharded cache still fails."""
     import dataclasses
 
     from builder_harness import fake_dcp_group, register_fake_mla_layers
@@ -211,8 +212,6 @@ def test_replicated_cache_builder_sees_dcp_size_1(tmp_path):
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    if "dcp_sharded" not in {f.name for f in dataclasses.fields(MLAAttentionSpec)}:
-        pytest.skip("this vLLM shards every MLA cache under DCP (no dcp_sharded)")
     module = import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_dcp_mla")
     config = make_vllm_config(tmp_path / "m", dcp=8, interleave=48, block_size=64,
                               num_speculative_tokens=3)
@@ -232,4 +231,30 @@ def test_replicated_cache_builder_sees_dcp_size_1(tmp_path):
             except ValueError as error:
                 results[sharded] = str(error)
     assert "--cp-kv-cache-interleave-size 48" in results[True]
-    assert results[False] == (1, 0)
+    # The check follows the DCP size vLLM's own MLA builder runs at.
+    upstream = _upstream_mla_builder_dcp_size(config, names)
+    if upstream == 8:  # vLLM 0.32: every MLA cache is sharded
+        assert results[False] == results[True]
+    else:
+        assert upstream == 1 and results[False] == (1, 0)
+
+
+def _upstream_mla_builder_dcp_size(config, names):
+    """DCP size vLLM's own MLA builder takes for a dcp_sharded=False cache."""
+    from builder_harness import fake_dcp_group
+    from dense_reference import KV_LORA_RANK, ROPE_DIM
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.mla_attention import (
+        MLACommonMetadata,
+        MLACommonMetadataBuilder,
+    )
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1,
+                            head_size=KV_LORA_RANK + ROPE_DIM, dtype=torch.bfloat16,
+                            dcp_sharded=False)
+    with fake_dcp_group(8, 3), set_current_vllm_config(config):
+        builder = MLACommonMetadataBuilder(spec, names, config, torch.device("cpu"),
+                                           MLACommonMetadata,
+                                           supports_dcp_with_varlen=True)
+    return builder.dcp_world_size

@@ -70,13 +70,11 @@ def _current_dcp_size() -> int:
     return 1 if config is None else config.parallel_config.decode_context_parallel_size
 
 
-def _check(vllm_config: VllmConfig, kv_cache_spec: AttentionSpec,
-           gpu_major: int | None) -> None:
+def _check(vllm_config: VllmConfig, dcp_size: int, gpu_major: int | None) -> None:
+    """``dcp_size``: the DCP size the builder runs at (vLLM >= 0.33 builds a
+    cache every rank holds whole, a DCP-1 draft under a DCP target, at 1)."""
     setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major)
-    if not getattr(kv_cache_spec, "dcp_sharded", True):
-        # vLLM >= 0.33: a cache every rank holds whole (a DCP-1 draft under a
-        # DCP target) is built at DCP size 1.
-        setting = dataclasses.replace(setting, dcp_size=1)
+    setting = dataclasses.replace(setting, dcp_size=dcp_size)
     if setting.dcp_size > 1 or gpu_major == 9:
         checks.raise_if_unsupported(checks.FLASHINFER_MLA, setting)
 
@@ -100,13 +98,13 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         device: torch.device,
     ) -> None:
         gpu_major = checks.current_gpu_major()
-        _check(vllm_config, kv_cache_spec, gpu_major)
         self.rows_without_dcp = gpu_major == 9
         # FlashInferMLAMetadataBuilder.__init__ only adds a rejection of
         # interleave sizes other than 1, which the rows lift.
         MLACommonMetadataBuilder.__init__(
             self, kv_cache_spec, layer_names, vllm_config, device,
             FlashInferMLAMetadata, supports_dcp_with_varlen=True)
+        _check(vllm_config, self.dcp_world_size, gpu_major)
         self._init_dcp_rows()
 
     @classmethod
