@@ -80,6 +80,7 @@ def run_vllm_kernel(case, world_size, interleave, rank):
     buffers = SimpleNamespace(
         input_ids=torch.zeros(max_tokens, **i32),
         positions=torch.zeros(max_tokens, **i64),
+        is_padding=torch.zeros(max_tokens, dtype=torch.bool),  # read since vLLM 0.33
         query_start_loc=torch.zeros(max_reqs + 1, **i32),
         seq_lens=torch.zeros(max_reqs, **i32))
     batch = SimpleNamespace(

@@ -13,12 +13,15 @@ on CPU, and one CPU op gives wrong MLA results:
   for 3-D query tensors with more than one head, which is what MLA passes
   (``q[..., nope:]`` of shape [T, H, 64]). Such calls use ``forward_native``.
 
-Everything here is a no-op off CPU.
+Everything here is a no-op off CPU, and each piece is installed only where
+this vLLM has its upstream counterpart (vLLM >= 0.33 has no slot-mapping
+fallback to replace).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -75,29 +78,46 @@ def _cp_slot_mapping_impl(upstream_impl):
     return impl
 
 
-def _install_slot_mapping() -> None:
+def _find(module: str, *attrs: str):
+    """``module.attr0.attr1...`` if this vLLM has it, else None."""
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        return None
+    for attr in attrs:
+        found = getattr(found, attr, None)
+        if found is None:
+            return None
+    return found
+
+
+def _install_slot_mapping() -> bool:
     # vLLM offers no hook to replace a *platform* fallback: the CPU platform
     # registers ``cpu_triton_utils._compute_slot_mapping_kernel_impl`` right
     # after the general plugins load (``WorkerWrapperBase.init_worker``).
     # Rebinding that one module attribute makes the platform register ours.
-    from vllm.triton_utils import dispatcher
-    from vllm.utils import cpu_triton_utils
-
-    upstream = cpu_triton_utils._compute_slot_mapping_kernel_impl
+    # vLLM >= 0.33 has neither that fallback nor Model Runner V1's kernel.
+    cpu_triton_utils = _find("vllm.utils.cpu_triton_utils")
+    dispatcher = _find("vllm.triton_utils.dispatcher")
+    upstream = getattr(cpu_triton_utils, "_compute_slot_mapping_kernel_impl", None)
+    if upstream is None or dispatcher is None:
+        return False
     if getattr(upstream, "_dcp_dspark_wrapped", False):
-        return
+        return True
     wrapped = _cp_slot_mapping_impl(upstream)
     cpu_triton_utils._compute_slot_mapping_kernel_impl = wrapped
     if SLOT_MAPPING_KERNEL in dispatcher._registry:
         # The platform registered its fallback already (plugin loaded late).
         dispatcher.register_kernels({SLOT_MAPPING_KERNEL: wrapped})
+    return True
 
 
-def _install_combine() -> None:
-    from vllm.triton_utils import dispatcher
+def _install_combine() -> bool:
+    dispatcher = _find("vllm.triton_utils.dispatcher")
+    kernel_cls = _find("vllm.v1.attention.ops.dcp", "CorrectAttnCPOutKernel")
+    if dispatcher is None or getattr(kernel_cls, "kernel", None) is None:
+        return False
     from vllm.v1.attention.ops.cpu_dcp_combine import correct_attn_out_kernel_cpu
-
-    from vllm.v1.attention.ops.dcp import CorrectAttnCPOutKernel
 
     registered = dispatcher._registry.get(CORRECT_ATTN_OUT_KERNEL)
     if registered is None or registered[1] is not correct_attn_out_kernel_cpu:
@@ -105,19 +125,22 @@ def _install_combine() -> None:
             {CORRECT_ATTN_OUT_KERNEL: correct_attn_out_kernel_cpu})
     # The launcher splits regular from constexpr arguments by counting the
     # kernel's ``constexprs``, which a Triton placeholder does not carry.
-    override = CorrectAttnCPOutKernel.kernel
+    override = kernel_cls.kernel  # the dispatcher's placeholder
     if getattr(override, "constexprs", None) is None:
         override.constexprs = [override.arg_names.index(name)
                                for name in ("HEAD_DIM", "N_ROUNDED", "IS_BASE_E")]
+    return True
 
 
-def _install_rope_fix() -> None:
+def _install_rope_fix() -> bool:
     # A targeted patch: vLLM has no hook for a CustomOp's per-platform method.
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-
-    upstream = RotaryEmbedding.forward_cpu
+    rope_cls = _find("vllm.model_executor.layers.rotary_embedding.base",
+                     "RotaryEmbedding")
+    upstream = getattr(rope_cls, "forward_cpu", None)
+    if upstream is None or not hasattr(rope_cls, "forward_native"):
+        return False
     if getattr(upstream, "_dcp_dspark_wrapped", False):
-        return
+        return True
 
     @functools.wraps(upstream)
     def forward_cpu(self, positions, query, key=None):
@@ -126,19 +149,29 @@ def _install_rope_fix() -> None:
         return upstream(self, positions, query, key)
 
     forward_cpu._dcp_dspark_wrapped = True  # type: ignore[attr-defined]
-    RotaryEmbedding.forward_cpu = forward_cpu
+    rope_cls.forward_cpu = forward_cpu
+    return True
 
 
-def install_cpu_dcp_patches() -> None:
-    """Install the CPU pieces above; idempotent, no-op off CPU."""
+def install_cpu_dcp_patches() -> dict[str, bool]:
+    """Install the CPU pieces above that this vLLM has a place for.
+
+    Idempotent, no-op off CPU. Each piece is found by feature, not by vLLM
+    version: a piece whose upstream counterpart is absent is left out.
+
+    Returns:
+        piece name -> installed (empty off CPU).
+    """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return
+        return {}
     from vllm.triton_utils import HAS_TRITON
 
+    installed = {}
     if not HAS_TRITON:
-        _install_slot_mapping()
-        _install_combine()
-    _install_rope_fix()
-    logger.debug("vllm-dcp-dspark: CPU DCP slot mapping, combine and rope installed")
+        installed["slot_mapping"] = _install_slot_mapping()
+        installed["combine"] = _install_combine()
+    installed["rope"] = _install_rope_fix()
+    logger.debug("vllm-dcp-dspark: CPU DCP pieces installed: %s", installed)
+    return installed

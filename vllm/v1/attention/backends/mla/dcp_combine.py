@@ -34,23 +34,38 @@ def mask_empty_rows_(out: torch.Tensor, lse: torch.Tensor, flat: FlatDecode) -> 
         out[num_rows:].zero_()
 
 
+# ``MLADCPManager`` attributes that merge the ranks' partials and, given the
+# per-request ``seq_lens`` / ``query_start_loc``, mask empty shards themselves:
+# ``combine`` (every vLLM) and ``v_up_proj_combine`` (vLLM >= 0.33 with
+# ``--dcp-comm-backend a2a``: the layer merges and up-projects in one step and
+# skips ``combine``).
+MASKING_COMBINES = ("combine", "v_up_proj_combine")
+
+
+def _without_request_mask(collective):
+    def combine(*args, seq_lens=None, query_start_loc=None, **kwargs):
+        return collective(*args, **kwargs)
+
+    combine.__wrapped__ = collective
+    return combine
+
+
 def route_combine_through_rows(layer) -> None:
     """Make ``layer``'s DCP combine trust the rows' mask (idempotent).
 
     vLLM builds one ``MLADCPManager`` per attention layer and offers no hook
-    for the mask, so its bound ``combine`` is wrapped to drop the per-request
-    arguments that trigger the per-layer searchsorted; the collective itself
-    (all-gather + reduce-scatter or all-to-all) is vLLM's own.
+    for the mask, so each of its masking combines that this vLLM has is
+    wrapped to drop the per-request arguments that trigger the per-layer
+    searchsorted; the collective itself (all-gather + reduce-scatter or
+    all-to-all) is vLLM's own.
     """
     manager = getattr(layer, "dcp_manager", None)
     if manager is None or getattr(manager, "combine_masked_by_rows", False):
         return
-    collective = manager.combine
-
-    def combine(attn_out, lse, seq_lens=None, query_start_loc=None, **kwargs):
-        return collective(attn_out, lse, **kwargs)
-
-    manager.combine = combine
+    for name in MASKING_COMBINES:
+        collective = getattr(manager, name, None)
+        if collective is not None:
+            setattr(manager, name, _without_request_mask(collective))
     manager.combine_masked_by_rows = True
 
 
@@ -58,6 +73,10 @@ def finish_rows_decode(impl, out: torch.Tensor, lse: torch.Tensor, rows: FlatDec
                        layer) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What every DCP backend does after its kernel: mask the empty rows,
     route the layer's combine through that mask, hand LSE over if wanted.
+
+    Each layer's manager is wrapped once, on its first DCP decode (vLLM
+    creates the manager after the impl and hands the impl no layer before
+    ``forward_mqa``); later forwards only read the manager's flag.
 
     Args:
         impl: the attention impl (``dcp_world_size``,

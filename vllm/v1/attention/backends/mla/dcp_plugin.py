@@ -5,9 +5,17 @@ vLLM calls ``register()`` in every process (engine core and workers) before
 models are built. It overrides vLLM's MLA attention backends with this
 project's DCP-aware subclasses through ``register_backend``, so a stock
 ``vllm serve ... -dcp N`` picks them up with no change on the user's side.
+
+The plugin loads in every vLLM process of every user who installed it, so it
+must never make vLLM worse: on a vLLM whose hooks it does not find it logs one
+warning and registers nothing, and no error of its own reaches
+``load_general_plugins()``.
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
 
 from vllm.logger import init_logger
 
@@ -22,9 +30,53 @@ BACKEND_OVERRIDES: list[tuple[str, str]] = [
     ("CPU_MLA", "vllm.v1.attention.backends.mla.cpu_dcp_mla.CPUDCPMLABackend"),
 ]
 
+# vLLM modules the overrides subclass or read, by the vLLM attribute they need.
+# Checked by name only: importing them here would pull in FlashInfer (which
+# queries the GPU) in every process.
+UPSTREAM_MODULES: tuple[str, ...] = (
+    "vllm.v1.attention.backends.mla.flashinfer_mla",
+    "vllm.v1.attention.backends.mla.tokenspeed_mla",
+    "vllm.v1.attention.backends.mla.cpu_mla",
+    "vllm.model_executor.layers.attention.mla_attention",
+    "vllm.v1.attention.ops.dcp",
+)
+REGISTRY_MODULE = "vllm.v1.attention.backends.registry"
 
-def register() -> None:
-    """Install the backend overrides; safe to call more than once."""
+
+def missing_hooks() -> list[str]:
+    """What this plugin needs from vLLM and does not find (empty: all there)."""
+    missing = []
+    try:
+        registry = importlib.import_module(REGISTRY_MODULE)
+    except ImportError:
+        return [f"module {REGISTRY_MODULE}"]
+    if not callable(getattr(registry, "register_backend", None)):
+        missing.append(f"{REGISTRY_MODULE}.register_backend")
+    backends = getattr(registry, "AttentionBackendEnum", None)
+    if backends is None:
+        missing.append(f"{REGISTRY_MODULE}.AttentionBackendEnum")
+    else:
+        missing += [f"AttentionBackendEnum.{name}" for name, _ in BACKEND_OVERRIDES
+                    if name not in backends.__members__]
+    for module in UPSTREAM_MODULES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"module {module}")
+    return missing
+
+
+def _vllm_version() -> str:
+    try:
+        from vllm import __version__
+    except ImportError:
+        return "unknown"
+    return __version__
+
+
+def _register() -> None:
     from vllm.v1.attention.backends.registry import (
         AttentionBackendEnum,
         register_backend,
@@ -41,3 +93,42 @@ def register() -> None:
     dcp_startup_checks.install()
     logger.debug("vllm-dcp-dspark: registered %d MLA backend overrides",
                  len(BACKEND_OVERRIDES))
+
+
+def register() -> None:
+    """Install the backend overrides; safe to call more than once.
+
+    Registers either every override or none: on a vLLM that lacks a hook the
+    overrides need, or if registering fails, vLLM keeps its own backends and
+    one warning says why.
+    """
+    left_alone = ", ".join(name for name, _ in BACKEND_OVERRIDES)
+    missing = missing_hooks()
+    if missing:
+        logger.warning(
+            "vllm-dcp-dspark does not support vLLM %s (missing: %s); it leaves "
+            "vLLM's %s backends and the CPU DCP pieces alone: DCP x DSpark runs "
+            "as upstream vLLM does.", _vllm_version(), "; ".join(missing),
+            left_alone)
+        return
+    try:
+        _register()
+    except Exception as error:  # never fail vLLM's plugin loading
+        _unregister()
+        logger.warning(
+            "vllm-dcp-dspark could not register on vLLM %s (%s: %s); it leaves "
+            "vLLM's %s backends alone.", _vllm_version(), type(error).__name__,
+            error, left_alone)
+
+
+def _unregister() -> None:
+    """Undo any override a failed ``_register`` left behind."""
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        for name, class_path in BACKEND_OVERRIDES:
+            member = AttentionBackendEnum.__members__.get(name)
+            if member is not None and member.get_path() == class_path:
+                member.clear_override()
+    except Exception:  # the registry itself is what failed
+        pass

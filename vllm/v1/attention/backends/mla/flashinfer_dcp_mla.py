@@ -24,11 +24,13 @@ any ``--cp-kv-cache-interleave-size``:
 
 Rows where this rank holds no KV are masked from the metadata (out 0, LSE
 -inf) and the layer's combine skips its own per-layer mask.
-With DCP size 1 on sm100 everything is upstream's.
+With DCP size 1 everything is upstream's: on sm90 the backend is not
+selectable then (as upstream), on sm100 the builder and kernels are upstream's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import torch
@@ -37,7 +39,6 @@ from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
 from vllm.platforms.interface import DeviceCapability
-from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
@@ -54,9 +55,27 @@ from vllm.v1.attention.backends.mla.flashinfer_mla import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+try:  # vLLM >= 0.33
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+except ImportError:  # vLLM 0.32
+    from vllm.utils.torch_utils import is_quantized_kv_cache
 
-def _check(vllm_config: VllmConfig, gpu_major: int | None) -> None:
+
+def _current_dcp_size() -> int:
+    """DCP size of the config being built or selected for (1 without one)."""
+    try:  # vLLM >= 0.33 asserts outside a config context
+        from vllm.config import get_current_vllm_config_or_none as current
+    except ImportError:  # vLLM 0.32 returns a default config there
+        from vllm.config import get_current_vllm_config as current
+    config = current()
+    return 1 if config is None else config.parallel_config.decode_context_parallel_size
+
+
+def _check(vllm_config: VllmConfig, dcp_size: int, gpu_major: int | None) -> None:
+    """``dcp_size``: the DCP size the builder runs at (vLLM >= 0.33 builds a
+    cache every rank holds whole, a DCP-1 draft under a DCP target, at 1)."""
     setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major)
+    setting = dataclasses.replace(setting, dcp_size=dcp_size)
     if setting.dcp_size > 1 or gpu_major == 9:
         checks.raise_if_unsupported(checks.FLASHINFER_MLA, setting)
 
@@ -80,13 +99,13 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         device: torch.device,
     ) -> None:
         gpu_major = checks.current_gpu_major()
-        _check(vllm_config, gpu_major)
         self.rows_without_dcp = gpu_major == 9
         # FlashInferMLAMetadataBuilder.__init__ only adds a rejection of
         # interleave sizes other than 1, which the rows lift.
         MLACommonMetadataBuilder.__init__(
             self, kv_cache_spec, layer_names, vllm_config, device,
             FlashInferMLAMetadata, supports_dcp_with_varlen=True)
+        _check(vllm_config, self.dcp_world_size, gpu_major)
         self._init_dcp_rows()
         self._sm90_layer_names = list(layer_names)  # their impls' scale
 
@@ -193,7 +212,11 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
     """FlashInfer-MLA decode over the per-forward DCP rows."""
 
     # Both kernels used on the rows report natural-log LSE.
-    lse_base_on_e: bool = True
+    lse_base_on_e: ClassVar[bool] = True
+    # Every query token is its own row with its own local bound, so causal
+    # verify and draft blocks work at any --cp-kv-cache-interleave-size
+    # (vLLM's check_attention_cp_compatibility reads this).
+    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -289,7 +312,11 @@ class FlashInferDCPMLABackend(FlashInferMLABackend):
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        return capability.major in (9, 10)
+        # sm90 is this project's FA3 path, for DCP only: at DCP size 1 Hopper
+        # keeps upstream's choice (FLASHINFER_MLA is sm100-only there).
+        if capability.major == 9:
+            return _current_dcp_size() > 1
+        return super().supports_compute_capability(capability)
 
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size,
@@ -298,13 +325,12 @@ class FlashInferDCPMLABackend(FlashInferMLABackend):
         from vllm.config import get_current_vllm_config
 
         vllm_config = get_current_vllm_config()
-        if vllm_config.model_config is not None:
+        if vllm_config.model_config is not None and _current_dcp_size() > 1:
             setting = checks.DCPSetting.from_vllm_config(
                 vllm_config, device_capability.major)
-            if setting.dcp_size > 1 or device_capability.major == 9:
-                problems = checks.flashinfer_problems(setting)
-                if problems:
-                    return problems[0]
+            problems = checks.flashinfer_problems(setting)
+            if problems:
+                return problems[0]
         return super().supports_combination(
             head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
             use_sparse, use_mm_prefix, device_capability)

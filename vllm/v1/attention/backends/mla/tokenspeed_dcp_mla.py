@@ -18,6 +18,8 @@ request's local length is not.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from vllm.config import VllmConfig
@@ -69,6 +71,11 @@ class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetada
 
 class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
     """Tokenspeed decode reading the per-forward DCP metadata."""
+
+    # Stated here, not inherited: the kernel's cp_interleave_size and the
+    # per-row fallback serve spec decode at any --cp-kv-cache-interleave-size
+    # (vLLM's check_attention_cp_compatibility reads this).
+    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
 
     def forward_mqa(
         self,

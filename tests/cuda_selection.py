@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's own CUDA backend selection, run on CPU as on an sm90 or sm100 GPU.
+
+``as_cuda_gpu(major)`` makes ``vllm.platforms.current_platform`` vLLM's
+``CudaPlatform`` reporting compute capability ``major``.0, and answers the
+probes of GPU-only kernels the way a GPU of that generation with vLLM's wheel
+does: FlashAttention's and FlashMLA's Hopper MLA kernels present on sm90,
+FlashInfer's module importable, CUTLASS MLA's import-time workspace
+allocated on the meta device. Everything else (priority lists, each backend's
+``validate_configuration``, ``supports_combination``, the plugin's overrides)
+is vLLM's and the plugin's own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import types
+from unittest import mock
+
+import torch
+
+from kernel_stubs import cuda_properties_for_import
+
+OVERRIDDEN = ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CPU_MLA")
+
+
+def _cuda_platform_cls():
+    try:
+        importlib.import_module("vllm._C_stable_libtorch")
+    except Exception:  # a CPU build of vLLM, or CUDA libraries absent
+        sys.modules["vllm._C_stable_libtorch"] = types.ModuleType(
+            "vllm._C_stable_libtorch")
+    from vllm.platforms.cuda import CudaPlatform
+
+    return CudaPlatform
+
+
+def _meta_instead_of_cuda(real_empty):
+    def empty(*args, device=None, **kwargs):
+        if device is not None and str(device).startswith("cuda"):
+            device = "meta"
+        return real_empty(*args, device=device, **kwargs)
+
+    return empty
+
+
+@contextlib.contextmanager
+def as_cuda_gpu(major: int):
+    """Run vLLM's CUDA platform code as on a compute capability ``major``.0 GPU."""
+    import vllm.platforms
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention import selector
+    from vllm.v1.attention.backends import fa_utils
+
+    cuda_platform = _cuda_platform_cls()
+    capability = DeviceCapability(major, 0)
+    hopper = major == 9
+    with contextlib.ExitStack() as stack:
+        enter = stack.enter_context
+        enter(cuda_properties_for_import(major))
+        enter(mock.patch.object(cuda_platform, "get_device_capability",
+                                classmethod(lambda cls, device_id=0: capability)))
+        enter(mock.patch.object(vllm.platforms, "current_platform", cuda_platform()))
+        enter(mock.patch.object(torch, "empty", _meta_instead_of_cuda(torch.empty)))
+        # FlashAttention's entry points are absent from CPU builds.
+        for name in ("flash_attn_varlen_func", "get_scheduler_metadata"):
+            enter(mock.patch.object(fa_utils, name, getattr(fa_utils, name, None),
+                                    create=True))
+        flashattn_mla = importlib.import_module(
+            "vllm.v1.attention.backends.mla.flashattn_mla")
+        enter(mock.patch.object(flashattn_mla, "flash_attn_supports_mla",
+                                lambda: hopper))
+        enter(mock.patch(
+            "vllm.v1.attention.ops.flashmla.is_flashmla_dense_supported",
+            lambda: (True, None) if hopper else
+            (False, "FlashMLA Dense is only supported on Hopper devices.")))
+        selector._cached_get_attn_backend.cache_clear()
+        try:
+            yield cuda_platform
+        finally:
+            selector._cached_get_attn_backend.cache_clear()
+
+
+@contextlib.contextmanager
+def plugin_registered(registered: bool):
+    """The plugin's overrides in place (True) or vLLM's own backends (False)."""
+    from vllm.v1.attention.backends.mla.dcp_plugin import register
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    members = [AttentionBackendEnum[name] for name in OVERRIDDEN]
+    before = {m: m.get_path() if m.is_overridden() else None for m in members}
+    for member in members:
+        member.clear_override()
+    if registered:
+        # The CPU pieces play no part in CUDA selection, and vLLM's Triton
+        # dispatcher cannot rebind kernels once some modules are loaded.
+        with mock.patch("vllm.v1.attention.backends.mla.cpu_dcp_patches."
+                        "install_cpu_dcp_patches", return_value={}):
+            register()
+        assert all(AttentionBackendEnum[name].is_overridden() for name in OVERRIDDEN)
+    try:
+        yield
+    finally:
+        for member, path in before.items():
+            member.clear_override()
+            if path is not None:
+                from vllm.v1.attention.backends.registry import register_backend
+
+                register_backend(member, path)
+
+
+def select_mla_backend(vllm_config, major: int, *, non_causal: bool,
+                       kv_cache_dtype: str = "auto", num_heads: int = 16):
+    """vLLM's ``get_attn_backend`` for an MLA layer of ``vllm_config`` (the
+    target's, or a DSpark draft's when ``non_causal``) on an sm``major``0 GPU.
+
+    Returns the backend class, or the ``ValueError`` vLLM raised.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    # Set in place: rebuilding the VllmConfig would rerun the CPU platform's
+    # config hook (which forces CPU_MLA's block size).
+    attention, cache = vllm_config.attention_config, vllm_config.cache_config
+    saved = attention.use_non_causal, cache.cache_dtype
+    attention.use_non_causal, cache.cache_dtype = non_causal, kv_cache_dtype
+    try:
+        with as_cuda_gpu(major), set_current_vllm_config(vllm_config):
+            return get_attn_backend(576, torch.bfloat16, kv_cache_dtype,
+                                    use_mla=True, num_heads=num_heads)
+    except ValueError as error:
+        return error
+    finally:
+        attention.use_non_causal, cache.cache_dtype = saved

@@ -1,0 +1,273 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The plugin beside vLLM's own backend selection and start-up checks.
+
+Through vLLM's selector (``get_attn_backend`` -> ``CudaPlatform``'s priority
+lists and each backend's ``validate_configuration``) with compute capability
+9.0 and 10.0: at ``-dcp 1`` every choice and CUDA-graph mode is upstream's;
+``check_attention_cp_compatibility`` accepts every overridden backend for
+spec decode at interleave 16; and the README's production recipes select the
+backends they name and pass the start-up checks at dcp 1 and 8.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from builder_harness import fake_dcp_group, make_builder, make_vllm_config
+from cuda_selection import as_cuda_gpu, plugin_registered, select_mla_backend
+from dense_reference import KV_LORA_RANK, ROPE_DIM
+from kernel_stubs import import_on_cpu
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_MAJORS = (9, 10)
+
+
+def _selected(result):
+    assert isinstance(result, type), f"vLLM selected no backend: {result}"
+    return result
+
+
+def _cudagraph_support(backend_cls, vllm_config, major):
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1,
+                            head_size=KV_LORA_RANK + ROPE_DIM, dtype=torch.bfloat16)
+    with as_cuda_gpu(major):
+        return backend_cls.get_builder_cls().get_cudagraph_support(vllm_config, spec)
+
+
+@pytest.mark.parametrize("major", GPU_MAJORS)
+@pytest.mark.parametrize("role", ["target", "draft"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_dcp1_selection_and_graph_mode_are_upstreams(tmp_path, major, role,
+                                                     kv_cache_dtype):
+    """-dcp 1: the plugin changes no backend choice and no CUDA-graph mode."""
+    config = make_vllm_config(tmp_path / "m", dcp=1, block_size=64,
+                              num_speculative_tokens=3)
+    chosen = {}
+    for registered in (False, True):
+        with plugin_registered(registered):
+            backend = _selected(select_mla_backend(
+                config, major, non_causal=role == "draft",
+                kv_cache_dtype=kv_cache_dtype))
+            chosen[registered] = (backend.get_name(),
+                                  _cudagraph_support(backend, config, major))
+    assert chosen[True] == chosen[False]
+
+
+def test_dcp1_hopper_draft_stays_on_triton(tmp_path):
+    """The case that moved before: a DSpark draft on an H100/H200 at dcp 1."""
+    config = make_vllm_config(tmp_path / "m", dcp=1, block_size=64,
+                              num_speculative_tokens=3)
+    with plugin_registered(True):
+        backend = _selected(select_mla_backend(config, 9, non_causal=True))
+    assert backend.get_name() == "TRITON_MLA"
+
+
+@pytest.mark.parametrize("major", GPU_MAJORS)
+def test_dcp8_hopper_draft_gets_the_dcp_path(tmp_path, major):
+    """-dcp 8: a non-causal draft has no upstream backend on Hopper; the
+    plugin's FLASHINFER_MLA serves it on both generations."""
+    config = make_vllm_config(tmp_path / "m", dcp=8, block_size=64,
+                              num_speculative_tokens=3)
+    with plugin_registered(False):
+        upstream = select_mla_backend(config, major, non_causal=True)
+    with plugin_registered(True):
+        ours = _selected(select_mla_backend(config, major, non_causal=True))
+    assert ours.get_name() == "FLASHINFER_MLA"
+    assert ours.__name__ == "FlashInferDCPMLABackend"
+    if major == 9:
+        assert isinstance(upstream, ValueError)
+
+
+# ---------------------------------------------------------------------------
+# check_attention_cp_compatibility (what the GPU model runners call)
+
+IMPLS = {
+    "FLASHINFER_MLA": ("vllm.v1.attention.backends.mla.flashinfer_dcp_mla",
+                       "FlashInferDCPMLAImpl", "auto"),
+    "TOKENSPEED_MLA": ("vllm.v1.attention.backends.mla.tokenspeed_dcp_mla",
+                       "TokenspeedDCPMLAImpl", "fp8"),
+    "CPU_MLA": ("vllm.v1.attention.backends.mla.cpu_dcp_mla", "CPUDCPMLAImpl", "auto"),
+}
+
+
+def _make_impl(module, cls_name, kv_cache_dtype):
+    impl_cls = getattr(import_on_cpu(module), cls_name)
+    # Tokenspeed JIT-compiles its prefill kernel at construction (GPU only).
+    with mock.patch("tokenspeed_mla.warmup_compile_prefill", lambda **kwargs: None):
+        return _construct(impl_cls, kv_cache_dtype)
+
+
+def _construct(impl_cls, kv_cache_dtype):
+    return impl_cls(
+        num_heads=8, head_size=KV_LORA_RANK + ROPE_DIM, scale=0.1, num_kv_heads=1,
+        alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv_cache_dtype,
+        logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+        q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128,
+        qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM, v_head_dim=128,
+        kv_b_proj=None)
+
+
+def _cp_check(config, impls):
+    """vLLM's own ``check_attention_cp_compatibility`` over layers with these impls."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker import cp_utils
+
+    layers = {f"model.layers.{i}.attn": SimpleNamespace(impl=impl)
+              for i, impl in enumerate(impls)}
+    with mock.patch.object(cp_utils, "get_layers_from_vllm_config",
+                           return_value=layers), set_current_vllm_config(config):
+        cp_utils.check_attention_cp_compatibility(config)
+
+
+@pytest.mark.parametrize("backend", sorted(IMPLS))
+@pytest.mark.parametrize("dcp", [2, 8])
+def test_spec_decode_with_interleave_passes_vllms_cp_check(tmp_path, backend, dcp):
+    config = make_vllm_config(tmp_path / "m", dcp=dcp, interleave=16, block_size=64,
+                              num_speculative_tokens=4)
+    from vllm.config import set_current_vllm_config
+
+    with fake_dcp_group(dcp, 0), set_current_vllm_config(config):
+        impl = _make_impl(*IMPLS[backend])
+    assert impl.dcp_world_size == dcp and impl.need_to_return_lse_for_decode
+    _cp_check(config, [impl])
+
+
+# ---------------------------------------------------------------------------
+# The README's production recipes
+
+RECIPE_HEADING = "## Production recipe"
+
+
+def readme_recipes() -> dict[int, list[str]]:
+    """GPU major -> the ``vllm serve`` arguments of the README's recipe."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(RECIPE_HEADING):]
+    section = section[:section.index("\n## ", len(RECIPE_HEADING))]
+    recipes = {}
+    for major, block in re.findall(
+            r"# sm(\d+)\b[^\n]*\n(vllm serve .*?)\n```", section, flags=re.S):
+        import shlex
+
+        recipes[int(major) // 10] = shlex.split(block.replace("\\\n", " "))[3:]
+    return recipes
+
+
+def _engine_args(argv: list[str]):
+    """The recipe's flags as vLLM's own CLI parser reads them."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(["--model", "unused", *argv]))
+
+
+EXPECTED_BACKENDS = {  # (GPU major, dcp) -> (target, draft); dcp 8 as the README says
+    (9, 8): ("FLASH_ATTN_MLA", "FLASHINFER_MLA"),
+    (9, 1): ("FLASH_ATTN_MLA", "TRITON_MLA"),
+    (10, 8): ("FLASHINFER_MLA", "TOKENSPEED_MLA"),
+    (10, 1): ("FLASHINFER_MLA", "TOKENSPEED_MLA"),
+}
+
+
+def test_readme_has_one_recipe_per_generation():
+    recipes = readme_recipes()
+    assert sorted(recipes) == sorted(GPU_MAJORS)
+    text = (REPO / "README.md").read_text()
+    for major in GPU_MAJORS:
+        target, draft = EXPECTED_BACKENDS[major, 8]
+        assert f"sm{major}0: target {target}, draft {draft}" in text
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_config(tmp_path_factory):
+    """vLLM's ``ModelConfig`` of a tiny DSpark draft (non-causal block)."""
+    from tiny_dspark import build_tiny_dspark_checkpoint
+    from tiny_mla import build_tiny_mla_checkpoint
+    from vllm.config import ModelConfig
+
+    root = tmp_path_factory.mktemp("recipe")
+    target = build_tiny_mla_checkpoint(root / "target", num_heads=8)
+    draft = build_tiny_dspark_checkpoint(root / "draft", target)
+    return ModelConfig(model=str(draft), dtype="bfloat16", max_model_len=512)
+
+
+@pytest.mark.parametrize("major", GPU_MAJORS)
+@pytest.mark.parametrize("dcp", [1, 8])
+def test_readme_recipe_passes_vllms_selection_and_start_up(
+        tmp_path, tiny_draft_config, major, dcp):
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import (
+        _resolve_dspark_attention_backend,
+    )
+
+    args = _engine_args(readme_recipes()[major])
+    spec = args.speculative_config
+    assert spec["method"] == "dspark"
+    assert (args.tensor_parallel_size, args.decode_context_parallel_size) == (8, 8)
+    config = make_vllm_config(tmp_path / "m", dcp=8, block_size=64,
+                              num_speculative_tokens=spec["num_speculative_tokens"])
+    config.parallel_config.decode_context_parallel_size = dcp
+    config.attention_config.backend = args.attention_backend and (
+        _backend_enum(args.attention_backend))
+    kv_cache_dtype = args.kv_cache_dtype
+    draft_backend = _resolve_dspark_attention_backend(
+        tiny_draft_config, _backend_enum(spec.get("attention_backend")),
+        config.attention_config.backend)
+    draft_non_causal = dflash_has_any_non_causal(tiny_draft_config.hf_config)
+    assert draft_non_causal
+
+    with plugin_registered(True):
+        target = _selected(select_mla_backend(config, major, non_causal=False,
+                                              kv_cache_dtype=kv_cache_dtype))
+        config.attention_config.backend = draft_backend
+        draft = _selected(select_mla_backend(config, major, non_causal=True,
+                                             kv_cache_dtype=kv_cache_dtype))
+    assert (target.get_name(), draft.get_name()) == EXPECTED_BACKENDS[major, dcp]
+    if dcp == 8:
+        _start_up(config, major, kv_cache_dtype, target, draft)
+
+
+def _backend_enum(name):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if name is None or isinstance(name, AttentionBackendEnum):
+        return name
+    return AttentionBackendEnum[name]
+
+
+def _start_up(config, major, kv_cache_dtype, target, draft):
+    """What vLLM runs at start-up with these backends on rank 0 of dcp 8: each
+    builder's construction (the DSpark DCP validation, this project's checks)
+    and the model runner's ``check_attention_cp_compatibility``."""
+    from vllm.config import set_current_vllm_config
+
+    config.cache_config.cache_dtype = kv_cache_dtype
+    # vLLM only validates DSpark x DCP support when the method is dspark.
+    config.speculative_config.method = "dspark"
+    impls = []
+    with plugin_registered(True), as_cuda_gpu(major), fake_dcp_group(8, 0), \
+            set_current_vllm_config(config):
+        for backend, non_causal in ((target, False), (draft, True)):
+            make_builder(backend.get_builder_cls(), config, non_causal=non_causal)
+            impl_cls = backend.get_impl_cls()
+            impls.append(_make_impl(impl_cls.__module__, impl_cls.__name__,
+                                    kv_cache_dtype))
+    _cp_check(config, impls)
+
+
+def test_recipe_test_catches_fp8_on_hopper(tmp_path, tiny_draft_config):
+    """The old README recipe (fp8 KV + DSpark) is refused on Hopper here."""
+    config = make_vllm_config(tmp_path / "m", dcp=8, block_size=64,
+                              num_speculative_tokens=4)
+    with plugin_registered(True):
+        draft = select_mla_backend(config, 9, non_causal=True, kv_cache_dtype="fp8")
+    assert isinstance(draft, ValueError)
