@@ -131,7 +131,10 @@ class DCPDecodeBuilderMixin:
         size is taken as the cache's when it is a multiple, and the wider
         of the two readings is kept.
         """
-        from vllm.v1.worker.block_table import get_block_table_width
+        try:  # vLLM >= 0.33
+            from vllm.v1.kv_cache_interface import get_block_table_width
+        except ImportError:
+            from vllm.v1.worker.block_table import get_block_table_width
 
         spec = self.kv_cache_spec
         max_model_len = self.vllm_config.model_config.max_model_len
