@@ -104,21 +104,34 @@ def _patch_interpreted_constexprs() -> None:
     InterpretedFunction.constexprs = property(constexprs)
 
 
-def _patch_bool_compare() -> None:
-    """Keep comparisons of values loaded from a ``torch.bool`` tensor int1.
+def _patch_bool_values_int1() -> None:
+    """Type every interpreter value that holds numpy bools as int1.
 
-    The interpreter loads a bool tensor as numpy ``bool_`` data and returns
-    comparison results typed after the left operand; vLLM's MRV2 slot-mapping
-    kernel (``gpu/block_table.py``) combines such a value with a comparison
-    under DCP (``~sharded | is_local``) and expects int1.
+    The interpreter keeps the Triton type of a comparison result from its
+    left operand (``offs % 2 == r`` on int32 gives int32-typed bools) and
+    types a value loaded from a ``torch.bool`` tensor int8. Combining such a
+    value with another (``~sharded | is_local`` in the DCP branch of MRV2's
+    slot-mapping kernel, ``gpu/block_table.py``) then yields int8 data, which
+    ``tl.load`` refuses as a mask. Compiled Triton types all of these int1;
+    a numpy bool array is only ever an int1 value here.
     """
-    from triton.runtime import interpreter
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
 
-    builder_cls = interpreter.InterpreterBuilder
-    if getattr(builder_cls, "_vllm_dcp_bool_compare", False):
+    post_init = TensorHandle.__post_init__
+    if getattr(post_init, "_vllm_dcp_cpu_mrv2", False):
         return
-    # filled in after the first run shows the failing op
-    builder_cls._vllm_dcp_bool_compare = True
+
+    @functools.wraps(post_init)
+    def __post_init__(self):
+        if (isinstance(self.data, np.ndarray) and self.data.dtype == np.bool_
+                and not isinstance(self.dtype, tl.pointer_type)):
+            self.dtype = tl.int1
+        post_init(self)
+
+    __post_init__._vllm_dcp_cpu_mrv2 = True
+    TensorHandle.__post_init__ = __post_init__
 
 
 def install() -> None:
@@ -140,7 +153,7 @@ def install() -> None:
             stacklevel=2)
     backends.setdefault("cpu", _cpu_backend())
     _patch_interpreted_constexprs()
-    _patch_bool_compare()
+    _patch_bool_values_int1()
 
 
 if __name__ == "__vllm_dcp_cpu_mrv2_boot__":  # run by the .pth file
