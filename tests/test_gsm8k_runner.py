@@ -12,6 +12,7 @@ meaningless; the pipeline is what is tested.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -226,8 +227,7 @@ def test_gsm8k_runner_against_cpu_tp2_dcp2_dspark_server(tmp_path):
     draft = build_tiny_dspark_checkpoint(tmp_path / "tiny-dspark", model)
     port = serve.free_port()
     log = tmp_path / "server.log"
-    env = {k: v for k, v in __import__("os").environ.items()
-           if k != "VLLM_DCP_CPU_MRV2"}
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_DCP_CPU_MRV2"}
     cmd = [sys.executable, str(REPO / "benchmarks" / "serve_dcp_dspark.py"),
            "--model", str(model), "--tp", "2", "--dcp", "2",
            "--draft", str(draft), "--cpu", "--port", str(port),
