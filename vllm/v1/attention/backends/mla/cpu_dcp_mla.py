@@ -9,7 +9,9 @@ each with its own local causal bound), returning natural-log LSE for vLLM's
 combine. That covers single-token decode, causal multi-token speculative
 verify and non-causal draft blocks alike.
 
-With DCP = 1 everything (builder, decode kernel, prefill) is upstream's.
+With DCP = 1 everything (builder, decode kernel, prefill) is upstream's,
+except in a DSpark draft's KV group: upstream's CPU decode takes one token per
+request, so the draft's non-causal block decodes on the same rows.
 Prefill is always upstream's: on CPU, MLA runs without chunked prefill and
 prefix caching, so a prefill never reads KV from the (sharded) cache.
 """
