@@ -144,9 +144,13 @@ def main() -> None:
         override = CorrectAttnCPOutKernel.kernel
         facts["combine_constexprs"] = [override.arg_names[i]
                                        for i in override.constexprs]
-        facts["slot_mapping"] = {
-            f"w{w}r{r}i{i}": mrv2_slot_mapping(w, r, i)
-            for w, r, i in [(2, 0, 1), (2, 1, 1), (2, 1, 16), (4, 3, 2)]}
+        facts["slot_mapping"] = {}
+        for w, r, i in [(2, 0, 1), (2, 1, 1), (2, 1, 16), (4, 3, 2)]:
+            try:
+                case = mrv2_slot_mapping(w, r, i)
+            except Exception as exc:  # reported, so only its own test fails
+                case = {"equal": False, "error": repr(exc)[:500]}
+            facts["slot_mapping"][f"w{w}r{r}i{i}"] = case
         facts["correction"] = dcp_correction()
     print(json.dumps(facts), flush=True)
 
