@@ -37,6 +37,8 @@ from vllm.v1.worker.cpu.triton_interpreter_boot import ENV_SWITCH, enabled
 logger = init_logger(__name__)
 
 _MARK = "_vllm_dcp_cpu_mrv2"
+# torch.library.Library objects unregister their ops when collected.
+_LIBS: list = []
 
 
 def _marked(obj) -> bool:
@@ -54,11 +56,8 @@ def install_q_concat_op() -> bool:
     lib = torch.library.Library("_C", "FRAGMENT")
     lib.define(q_concat.OP_NAME + q_concat.OP_SCHEMA)
     lib.impl(q_concat.OP_NAME, q_concat.decode_q_concat_kv_cache_insert, "CPU")
-    _LIBS.append(lib)  # a Library unregisters its ops when collected
+    _LIBS.append(lib)
     return True
-
-
-_LIBS: list = []
 
 
 def install_k3_kv_b_proj_skip_gemm() -> bool:
