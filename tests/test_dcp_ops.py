@@ -62,7 +62,7 @@ def _flat_by_loop(seq_lens, query_lens, world_size, rank, interleave, causal,
     rows = []
     for req, (seq_len, q_len) in enumerate(zip(seq_lens, query_lens)):
         for t in range(q_len):
-            bound = seq_len - q_len + 1 + t if causal else seq_len
+            bound = max(seq_len - q_len + 1 + t if causal else seq_len, 0)
             span = world_size * interleave
             local = sum(1 for p in range(bound) if (p // interleave) % world_size == rank)
             assert local == (bound // span) * interleave + min(
@@ -80,7 +80,8 @@ def test_build_flat_decode_matches_loop(data, world_size, interleave, causal, pa
     num_reqs = data.draw(st.integers(1, 6))
     query_lens = data.draw(st.lists(st.integers(0, 8), min_size=num_reqs,
                                     max_size=num_reqs))
-    seq_lens = [q + data.draw(st.integers(0, 300)) for q in query_lens]
+    # Adversarial too: requests shorter than their query (seq len < q_len).
+    seq_lens = [max(q + data.draw(st.integers(-9, 300)), 0) for q in query_lens]
     qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(query_lens), 0)
     table = torch.randint(1, 100, (num_reqs, 5), dtype=torch.int32)
@@ -117,6 +118,31 @@ def test_build_flat_decode_writes_into_buffers():
     assert flat.seq_lens.tolist() == [19, 19, 20, 0, 1, 1, 0, 0]
     assert flat.empty.tolist() == [False] * 3 + [True, False, False, True, True]
     assert (flat.block_table >= 0).all() and (flat.row_to_req >= 0).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_request_shorter_than_its_query_has_empty_rows(causal, rank):
+    """seq 0 with q_len 4 (and seq 2 with q_len 4): the bounds clamp at 0
+    and such rows are empty, never negative lengths that reach a kernel."""
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+
+    seq_lens = torch.tensor([0, 2], dtype=torch.int32)
+    qsl = torch.tensor([0, 4, 8], dtype=torch.int32)
+    table = torch.arange(1, 5, dtype=torch.int32).view(2, 2)
+    flat = build_flat_decode(seq_lens, qsl, table, world_size=2, rank=rank,
+                             interleave=1, causal=causal, num_rows=8)
+    if causal:
+        expected_global = [0, 0, 0, 0, 0, 0, 1, 2]
+    else:
+        expected_global = [0, 0, 0, 0, 2, 2, 2, 2]
+    assert flat.global_seq_lens.tolist() == expected_global
+    upstream = get_dcp_local_seq_lens(torch.tensor(expected_global, dtype=torch.int32),
+                                      2, rank, 1)
+    assert flat.seq_lens.tolist() == upstream.tolist()
+    assert (flat.seq_lens >= 0).all()
+    assert flat.empty.tolist() == [n == 0 for n in upstream.tolist()]
+    assert flat.empty[:4].all()
 
 
 def test_merge_partials_masks_invalid_lses():

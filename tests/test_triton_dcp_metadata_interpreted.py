@@ -31,7 +31,10 @@ def _compare_all() -> int:
     for case in range(24):
         num_reqs = int(torch.randint(1, 8, (), generator=gen))
         query_lens = torch.randint(0, 9, (num_reqs,), generator=gen)
-        seq_lens = (query_lens + torch.randint(0, 300, (num_reqs,), generator=gen)).int()
+        # Every third case: short requests, some shorter than their query.
+        low, high = (-9, 6) if case % 3 == 0 else (0, 300)
+        seq_lens = (query_lens + torch.randint(low, high, (num_reqs,), generator=gen)
+                    ).clamp(min=0).int()
         qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(query_lens, 0)
         table = torch.randint(0, 99, (num_reqs, 7), dtype=torch.int32, generator=gen)
@@ -48,8 +51,27 @@ def _compare_all() -> int:
             for field in FIELDS:
                 assert torch.equal(getattr(ref, field), getattr(got, field)), (
                     case, rank, field)
+            assert (got.seq_lens >= 0).all() and (got.global_seq_lens >= 0).all()
             checked += 1
+    checked += _check_short_requests(build_flat_decode_triton)
     return checked
+
+
+def _check_short_requests(build) -> int:
+    """seq 0 / q_len 4 and seq 2 / q_len 4: bounds clamp at 0, rows empty."""
+    seq_lens = torch.tensor([0, 2], dtype=torch.int32)
+    qsl = torch.tensor([0, 4, 8], dtype=torch.int32)
+    table = torch.arange(1, 5, dtype=torch.int32).view(2, 2)
+    for causal in (True, False):
+        expected = [0, 0, 0, 0, 0, 0, 1, 2] if causal else [0] * 4 + [2] * 4
+        for rank in (0, 1):
+            got = build(seq_lens, qsl, table, world_size=2, rank=rank, interleave=1,
+                        causal=causal, num_rows=8)
+            assert got.global_seq_lens.tolist() == expected, (causal, rank)
+            local = [(g // 2) + min(max(g % 2 - rank, 0), 1) for g in expected]
+            assert got.seq_lens.tolist() == local, (causal, rank)
+            assert got.empty.tolist() == [n == 0 for n in local], (causal, rank)
+    return 1
 
 
 def test_triton_kernel_bit_equal_to_torch_path():

@@ -156,8 +156,10 @@ def test_tp1_dcp2_and_transformers_agree(model_dir, prompts_file):
 
 def test_unsupported_interleave_fails_at_startup(model_dir, prompts_file):
     """An interleave that does not divide the block size (16) is refused while
-    the engine starts, naming ``cp_kv_cache_interleave_size``."""
+    vLLM builds its config, before the model loads, naming the flag."""
     proc = launch(model_dir, prompts_file, tp=2, dcp=2, interleave=3, timeout=180)
     assert proc.returncode != 0
     assert '{"tokens"' not in proc.stdout
-    assert "cp_kv_cache_interleave_size (3)" in proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    assert "--cp-kv-cache-interleave-size 3 must divide the KV block size" in output
+    assert "Loading weights" not in output

@@ -147,8 +147,9 @@ def build_flat_decode(
     Request ``i`` with global length ``L`` (its ``n`` new tokens included) and
     query token ``t`` in ``0..n-1`` may see ``g_t = L - n + 1 + t`` global
     tokens when ``causal`` (speculative verify) and ``g_t = L`` otherwise
-    (a DSpark draft block sees the whole block). On this rank that is
-    ``dcp_local_seq_lens(g_t)`` local tokens.
+    (a DSpark draft block sees the whole block), clamped at 0 (``L < n``
+    leaves the first tokens nothing to see: empty rows). On this rank that
+    is ``dcp_local_seq_lens(g_t)`` local tokens.
 
     Vectorised and free of host syncs when ``num_rows`` is given, so it can be
     captured in a CUDA graph together with ``out``.
@@ -188,7 +189,9 @@ def build_flat_decode(
         bound = req_len - query_len + 1 + (rows - req_start)
     else:
         bound = req_len
-    bound = torch.where(is_real, bound, 0).to(torch.int32)
+    # A request shorter than its query (seq len < q_len) gives its first
+    # tokens a bound below 1: they see nothing, on every rank.
+    bound = torch.where(is_real, bound, 0).clamp_(min=0).to(torch.int32)
     local = dcp_local_seq_lens(bound, world_size, rank, interleave)
 
     if out is None:

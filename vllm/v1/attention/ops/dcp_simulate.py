@@ -7,23 +7,18 @@ sequences, shards it by vLLM's DCP layout, builds each rank's flattened decode
 metadata, runs the reference MLA decode per rank, merges the partials by LSE
 and reports the largest error against full attention without DCP.
 
-Run ``python -m vllm.v1.attention.ops.dcp_simulate --help``. Pure torch.
+Run ``vllm-dcp-simulate --help``. Pure torch. Torch and the ops layer are
+imported only after the arguments are parsed and checked, so ``--help`` and
+bad input answer at once (the console script loads this file without the
+``vllm`` package, see ``vllm_dcp_simulate.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import time
-
-import torch
-
-from vllm.v1.attention.ops.dcp_decode import (
-    build_flat_decode,
-    merge_partials,
-    mla_decode_reference,
-    shard_paged_kv,
-)
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -31,6 +26,8 @@ ROPE_DIM = 64
 
 def random_paged_batch(seq_lens: list[int], block_size: int, *, seed: int):
     """A shuffled paged cache holding ``seq_lens`` tokens; block 0 is null."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     blocks = [(n + block_size - 1) // block_size for n in seq_lens]
@@ -49,6 +46,15 @@ def random_paged_batch(seq_lens: list[int], block_size: int, *, seed: int):
 def dcp_step(q, cache, table, lens, query_start_loc, *, world_size, interleave,
              causal, scale, seed=0):
     """Merged output and LSE of a simulated W-rank decode step."""
+    import torch
+
+    from vllm.v1.attention.ops.dcp_decode import (
+        build_flat_decode,
+        merge_partials,
+        mla_decode_reference,
+        shard_paged_kv,
+    )
+
     gen = torch.Generator().manual_seed(seed)
     shards = shard_paged_kv(cache, table, lens, world_size=world_size,
                             interleave=interleave, generator=gen)
@@ -65,36 +71,79 @@ def dcp_step(q, cache, table, lens, query_start_loc, *, world_size, interleave,
     return merge_partials(torch.stack(outs), torch.stack(lses))
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--heads", type=int, default=16,
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"  # argparse names the type in errors
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-dcp-simulate", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    positive = _int_at_least(1)
+    p.add_argument("--heads", type=positive, default=16,
                    help="query heads on a rank (Kimi-K3: 96 gathered at TP8xDCP8)")
-    p.add_argument("--seq-lens", type=int, nargs="+",
+    p.add_argument("--seq-lens", type=positive, nargs="+",
                    default=[8192, 2500, 700, 63, 9, 3],
                    help="global sequence lengths of the batch (tokens)")
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--interleaves", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--verify-len", type=int, default=4,
+    p.add_argument("--world-sizes", type=positive, nargs="+", default=[1, 2, 4, 8],
+                   help="DCP sizes W to simulate (-dcp)")
+    p.add_argument("--interleaves", type=positive, nargs="+", default=[1, 16, 64],
+                   help="interleave sizes I (--cp-kv-cache-interleave-size); "
+                        "each must divide --block-size")
+    p.add_argument("--verify-len", type=positive, default=4,
                    help="causal verify block: 1 + speculative tokens")
-    p.add_argument("--draft-len", type=int, default=7,
+    p.add_argument("--draft-len", type=positive, default=7,
                    help="non-causal DSpark draft block size")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--block-size", type=positive, default=64,
+                   help="KV cache block size (tokens)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0,
+                   help="seed of the random cache and queries")
+    return p
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check the arguments as vLLM checks its own (exits on error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    bad = [i for i in args.interleaves if args.block_size % i]
+    if bad:
+        # vLLM refuses these at start-up (VllmConfig.validate_block_size).
+        parser.error(
+            f"argument --interleaves: {', '.join(map(str, bad))} "
+            f"{'does' if len(bad) == 1 else 'do'} not divide --block-size "
+            f"{args.block_size}; vLLM accepts only interleaves that divide the "
+            "block size")
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate every case of ``args``; print the table and the worst case."""
+    import torch
     from tabulate import tabulate
     from tqdm import tqdm
 
-    args = parse_args(argv)
+    from vllm.v1.attention.ops.dcp_decode import (
+        build_flat_decode,
+        mla_decode_reference,
+    )
+
     torch.manual_seed(args.seed)
     cache, table, lens = random_paged_batch(args.seq_lens, args.block_size,
                                             seed=args.seed)
     scale = (128 + ROPE_DIM) ** -0.5
     modes = [("verify", True, args.verify_len), ("draft", False, args.draft_len)]
     cases = list(itertools.product(modes, args.world_sizes, args.interleaves))
-    rows, worst = [], 0.0
+    rows, worst, worst_case = [], -1.0, ""
     for (name, causal, q_len), world, inter in tqdm(cases, desc="DCP decode"):
         q_lens = torch.tensor([min(q_len, int(n)) for n in lens], dtype=torch.int32)
         qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
@@ -113,7 +162,11 @@ def main(argv=None) -> int:
         elapsed = time.perf_counter() - t0
         err_out = (out - ref_out).abs().max().item()
         err_lse = (lse - ref_lse).abs().max().item()
-        worst = max(worst, err_out, err_lse)
+        err = max(err_out, err_lse)
+        if math.isnan(err_out) or math.isnan(err_lse):  # max() would drop a NaN
+            err = math.inf
+        if err > worst:
+            worst, worst_case = err, f"{name} q_len={q_len} W={world} I={inter}"
         rows.append([name, q_len, world, inter, int(qsl[-1]),
                      f"{err_out:.2e}", f"{err_lse:.2e}", f"{elapsed:.2f}"])
     print(tabulate(rows, headers=["block", "q_len", "W", "I", "rows",
@@ -121,9 +174,13 @@ def main(argv=None) -> int:
     ok = worst < 1e-4
     print(f"heads={args.heads} latent={KV_LORA_RANK}+{ROPE_DIM} "
           f"block_size={args.block_size} seq_lens={args.seq_lens}")
-    print(f"worst error vs full attention without DCP: {worst:.2e} "
-          f"({'OK' if ok else 'FAIL'}, fp32 tolerance 1e-4)")
+    print(f"worst error vs full attention without DCP: {worst:.2e} at "
+          f"{worst_case} ({'OK' if ok else 'FAIL'}, fp32 tolerance 1e-4)")
     return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

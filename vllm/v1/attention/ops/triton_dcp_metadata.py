@@ -114,7 +114,7 @@ def _flat_decode_kernel(
             bound = req_len - (req_end - req_start) + 1 + (rows - req_start)
         else:
             bound = req_len
-        bound = tl.where(is_real, bound, 0)
+        bound = tl.maximum(tl.where(is_real, bound, 0), 0)
         local = _local_len(bound, world_size, rank, interleave)
         tl.store(out_seq_lens_ptr + rows, local, mask=row_ok)
         tl.store(out_global_ptr + rows, bound, mask=row_ok)
@@ -150,7 +150,7 @@ def build_flat_decode_triton(
 
     Same contract and bit-equal output: row ``n`` of request ``i`` (query
     token ``t``) gets ``global_seq_lens = g_t`` (``L - q_len + 1 + t`` when
-    ``causal``, ``L`` otherwise), ``seq_lens = local(g_t, rank)``,
+    ``causal``, ``L`` otherwise, clamped at 0), ``seq_lens = local(g_t, rank)``,
     ``row_to_req = i``, ``block_table = block_table[i]`` (a view of the first
     ``B`` columns of ``out``) and ``empty = seq_lens == 0``;
     ``query_start_loc = arange(N + 1)``. Rows at or beyond

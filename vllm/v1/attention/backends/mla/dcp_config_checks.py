@@ -3,9 +3,10 @@
 
 Every unsupported combination of backend, GPU generation, DCP size,
 interleave, KV-cache dtype, query length and head dims is reported at
-start-up (metadata builder construction, backend selection) as a
-``ValueError`` that names the flag to change, never as a wrong answer or a
-crash inside a kernel.
+start-up as a ``ValueError`` that names the flag to change, never as a wrong
+answer or a crash inside a kernel. ``dcp_startup_checks`` runs these checks
+when vLLM builds its config, before any worker starts; the builders and
+backend selection run them again as a second line.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 FLASHINFER_MLA = "FLASHINFER_MLA"
 TOKENSPEED_MLA = "TOKENSPEED_MLA"
+CPU_MLA = "CPU_MLA"
 
 # MLA latent layout every kernel here is built for (DeepSeek-V3 / Kimi-K3).
 KV_LORA_RANK = 512
@@ -22,6 +24,11 @@ FLASHINFER_QK_NOPE_HEAD_DIMS = (64, 128, 192)
 TOKENSPEED_HEAD_DIMS = (128, 64, 128)  # qk_nope, qk_rope, v
 TOKENSPEED_MAX_QUERY_LEN = 8
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+# The block size vLLM gives a backend without --block-size (the smallest of
+# its kernel block sizes, 32 and 64, as 16 is not one); read off here so the
+# config-time check need not import the kernels (flashinfer's import queries
+# the GPU, which must not happen in vLLM's front-end process).
+DEFAULT_BLOCK_SIZE = {FLASHINFER_MLA: 32, TOKENSPEED_MLA: 32}
 
 
 @dataclass(frozen=True)
@@ -61,17 +68,48 @@ class DCPSetting:
         )
 
 
-def _layout_problems(s: DCPSetting) -> list[str]:
-    problems = []
+def _dcp_divides_tp(s: DCPSetting) -> list[str]:
     if s.dcp_size > 1 and s.tensor_parallel_size % s.dcp_size:
-        problems.append(
+        return [
             f"--decode-context-parallel-size (-dcp) {s.dcp_size} must divide "
             f"--tensor-parallel-size (-tp) {s.tensor_parallel_size}: change -dcp "
-            "or -tp.")
-    if s.dcp_size > 1 and s.block_size % s.interleave:
+            "or -tp."]
+    return []
+
+
+def _interleave_divides_block(s: DCPSetting) -> bool:
+    return s.dcp_size == 1 or s.block_size % s.interleave == 0
+
+
+def _layout_problems(s: DCPSetting) -> list[str]:
+    problems = _dcp_divides_tp(s)
+    if not _interleave_divides_block(s):
         problems.append(
             f"--cp-kv-cache-interleave-size {s.interleave} must divide "
             f"--block-size {s.block_size}: change one of the two flags.")
+    return problems
+
+
+def cpu_problems(s: DCPSetting) -> list[str]:
+    """Why CPU_MLA with DCP cannot run this setting (none: [])."""
+    problems = _dcp_divides_tp(s)
+    if not _interleave_divides_block(s):
+        # vLLM's CPU platform sets MLA's block size, whatever --block-size says.
+        divisors = [d for d in range(1, s.block_size + 1) if s.block_size % d == 0]
+        problems.append(
+            f"--cp-kv-cache-interleave-size {s.interleave} must divide the KV "
+            f"block size, which CPU_MLA fixes to {s.block_size} (vLLM overrides "
+            f"--block-size on CPU): use --cp-kv-cache-interleave-size in "
+            f"{tuple(divisors)}.")
+    if s.kv_cache_dtype != "auto":
+        problems.append(
+            f"CPU_MLA reads an unquantized KV cache, not {s.kv_cache_dtype}: use "
+            "--kv-cache-dtype auto.")
+    if (s.kv_lora_rank, s.qk_rope_head_dim) != (KV_LORA_RANK, QK_ROPE_HEAD_DIM):
+        problems.append(
+            f"CPU_MLA needs a {KV_LORA_RANK} + {QK_ROPE_HEAD_DIM} latent cache, "
+            f"the model has {s.kv_lora_rank} + {s.qk_rope_head_dim}: no CPU "
+            "backend serves it with DCP; drop -dcp.")
     return problems
 
 
@@ -128,15 +166,30 @@ def tokenspeed_problems(s: DCPSetting) -> list[str]:
     return problems
 
 
-PROBLEMS = {FLASHINFER_MLA: flashinfer_problems, TOKENSPEED_MLA: tokenspeed_problems}
+PROBLEMS = {FLASHINFER_MLA: flashinfer_problems, TOKENSPEED_MLA: tokenspeed_problems,
+            CPU_MLA: cpu_problems}
 
 
-def raise_if_unsupported(backend: str, setting: DCPSetting) -> None:
-    """Raise one ``ValueError`` listing every problem of ``setting``."""
+def raise_if_unsupported(backend: str, setting: DCPSetting,
+                         chosen_by: str | None = None) -> None:
+    """Raise one ``ValueError`` listing every problem of ``setting``.
+
+    ``chosen_by``: what picked ``backend`` (a flag), named in the message.
+    """
     problems = PROBLEMS[backend](setting)
     if problems:
+        chosen = f" (chosen by {chosen_by})" if chosen_by else ""
         raise ValueError(
-            f"{backend} cannot serve this configuration:\n  - "
+            f"{backend}{chosen} cannot serve this configuration:\n  - "
+            + "\n  - ".join(problems))
+
+
+def raise_if_layout_unsupported(setting: DCPSetting) -> None:
+    """Raise a ``ValueError`` if no backend can lay out this DCP setting."""
+    problems = _layout_problems(setting)
+    if problems:
+        raise ValueError(
+            "decode context parallelism cannot run this configuration:\n  - "
             + "\n  - ".join(problems))
 
 

@@ -41,7 +41,9 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
         query_start_loc: int32 [R + 1], the decode requests' query offsets.
         causal: True for speculative verify (each token sees its prefix), False
             for a non-causal DSpark draft block (every token sees the block).
-        max_query_len: the largest decode query length of the batch.
+        max_query_len: the bound vLLM promises on every decode request's
+            query length (the builder's argument); the device offsets may be
+            ragged below it even where the host offsets are uniform.
         dcp_rank, dcp_world_size, interleave: the layout the rows were built for.
         forward_id: distinct for every ``build``; a kernel that plans per
             forward (FlashInfer's Hopper MLA) re-plans when it changes.
@@ -67,9 +69,11 @@ class DCPDecodeBuilderMixin:
     Put it first in the bases: ``class B(DCPDecodeBuilderMixin, XBuilder)``.
     With DCP size 1 the builder's own decode metadata is returned unchanged,
     unless ``rows_without_dcp`` is set (a kernel that only runs on rows).
-    The flattened rows are written into persistent buffers sized for the
-    largest decode batch, so a CUDA graph captured over ``build`` replays into
-    the same memory; the build makes no host sync. On CUDA one fused Triton
+    The flattened rows are written into persistent buffers allocated at
+    init from vLLM's bounds (decode tokens of a full batch x the block-table
+    width vLLM uses for this cache), so a CUDA graph captured over ``build``
+    replays into the same memory; a batch beyond them raises. The build makes
+    no host sync. On CUDA one fused Triton
     launch fills them; elsewhere the torch path of the ops layer does.
     """
 
@@ -84,27 +88,88 @@ class DCPDecodeBuilderMixin:
         the mixin's own."""
         self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
         self._dcp_causal = True
-        self._dcp_rows: FlatDecode | None = None
         self._dcp_forward_ids = itertools.count(1)
         self._dcp_kernel_state: dict[Any, Any] = {}
+        # Sized once, before any CUDA graph is captured: a graph replays
+        # into these exact tensors.
+        self._dcp_rows: FlatDecode | None = None
+        if self.dcp_world_size > 1 or self.rows_without_dcp:
+            self._dcp_rows = dcp_decode.alloc_flat_decode(
+                self._dcp_row_capacity(), self._dcp_block_table_width(), self.device)
+
+    def _dcp_query_len_bound(self) -> int:
+        """Longest decode query: 1 + num_speculative_tokens, or the decode
+        threshold of the batch reorder if that is larger."""
+        spec = self.vllm_config.speculative_config
+        num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
+        return max(1 + num_spec, self.reorder_batch_threshold or 1)
 
     def _dcp_row_capacity(self) -> int:
-        """Most decode rows one forward can hold (decode tokens of a full batch)."""
-        sched = self.vllm_config.scheduler_config
-        spec = self.vllm_config.speculative_config
-        query_len = max(self.reorder_batch_threshold, 1)
-        if spec is not None and spec.num_speculative_tokens:
-            query_len = max(query_len, spec.num_speculative_tokens + 1)
-        return min(sched.max_num_batched_tokens, sched.max_num_seqs * query_len)
+        """Most decode query tokens one forward can carry, from vLLM's bounds.
 
-    def _dcp_row_buffers(self, num_rows: int, max_blocks: int) -> FlatDecode | None:
+        At most ``max_num_seqs`` decode requests of at most
+        ``1 + num_speculative_tokens`` tokens, within the token budget
+        ``max_num_batched_tokens`` (vLLM's own cap on decode tokens); a CUDA
+        graph pads a decode-only batch up to a capture size, at most
+        ``max_cudagraph_capture_size``.
+        """
+        sched = self.vllm_config.scheduler_config
+        decode_tokens = min(sched.max_num_batched_tokens,
+                            sched.max_num_seqs * self._dcp_query_len_bound())
+        capture = self.vllm_config.compilation_config.max_cudagraph_capture_size
+        return max(decode_tokens, capture or 0)
+
+    def _dcp_block_table_width(self) -> int:
+        """Columns of the block table vLLM hands this builder.
+
+        The worker's block table (``MultiGroupBlockTable`` / MRV2's
+        ``BlockTables``) is ``max_num_blocks_per_req(max_model_len)`` of the
+        group's spec (DCP-sharded: ``max_model_len / (block_size x DCP)``)
+        aligned to 128 tokens by ``get_block_table_width``, in kernel blocks
+        when the backend pages finer than the group (``AttentionGroup``).
+        This builder only sees the kernel-block spec, so the group's block
+        size is taken as the cache's when it is a multiple, and the wider
+        of the two readings is kept.
+        """
+        from vllm.v1.worker.block_table import get_block_table_width
+
+        spec = self.kv_cache_spec
+        max_model_len = self.vllm_config.model_config.max_model_len
+        kernel_block = spec.block_size
+        group_blocks = {kernel_block}
+        cache_block = self.vllm_config.cache_config.block_size
+        if cache_block and cache_block % kernel_block == 0:
+            group_blocks.add(cache_block)
+        widths = []
+        for group_block in group_blocks:
+            group_spec = spec.copy_with_new_block_size(group_block)
+            blocks = group_spec.max_num_blocks_per_req(self.vllm_config, max_model_len)
+            widths.append(get_block_table_width(blocks, group_block)
+                          * (group_block // kernel_block))
+        return max(widths)
+
+    def _dcp_row_buffers(self, num_rows: int, num_blocks: int) -> FlatDecode:
+        """The persistent rows; a batch beyond them is a configuration error,
+        never a fresh tensor (a captured graph would keep the old one)."""
         rows = self._dcp_rows
-        if rows is None or rows.block_table.shape[1] < max_blocks:
-            capacity = max(self._dcp_row_capacity(), num_rows)
-            rows = dcp_decode.alloc_flat_decode(capacity, max_blocks, self.device)
-            self._dcp_rows = rows
+        assert rows is not None
         if num_rows > rows.num_rows:
-            return None  # larger than any graph: a fresh allocation is fine
+            sched = self.vllm_config.scheduler_config
+            raise ValueError(
+                f"A DCP decode batch of {num_rows} query tokens exceeds the "
+                f"{rows.num_rows} rows sized at start-up from max_num_seqs "
+                f"({sched.max_num_seqs}) x (1 + num_speculative_tokens) = "
+                f"{sched.max_num_seqs * self._dcp_query_len_bound()}, capped at "
+                f"max_num_batched_tokens ({sched.max_num_batched_tokens}), or "
+                "max_cudagraph_capture_size: raise --max-num-seqs or "
+                "--max-num-batched-tokens.")
+        if num_blocks > rows.block_table.shape[1]:
+            raise ValueError(
+                f"A block table of {num_blocks} columns is wider than the "
+                f"{rows.block_table.shape[1]} sized at start-up from "
+                f"max_model_len ({self.vllm_config.model_config.max_model_len}), "
+                f"block size {self.kv_cache_spec.block_size} and DCP size "
+                f"{self.dcp_world_size}: raise --max-model-len.")
         return rows
 
     def _dcp_rows_builder(self):
@@ -144,7 +209,7 @@ class DCPDecodeBuilderMixin:
             )
         if dcp_tot_seq_lens_device is None:  # DCP size 1: local is global
             dcp_tot_seq_lens_device = seq_lens_device
-        max_blocks = block_table_tensor.shape[1]
+        out = self._dcp_row_buffers(num_decode_tokens, block_table_tensor.shape[1])
         flat = self._dcp_rows_builder()(
             dcp_tot_seq_lens_device,
             query_start_loc_device,
@@ -154,9 +219,8 @@ class DCPDecodeBuilderMixin:
             interleave=self.cp_kv_cache_interleave_size,
             causal=self._dcp_causal,
             num_rows=num_decode_tokens,
-            out=self._dcp_row_buffers(num_decode_tokens, max_blocks),
+            out=out,
         )
-        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
         return DCPDecodeMetadata(
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
@@ -164,7 +228,10 @@ class DCPDecodeBuilderMixin:
             flat=flat,
             query_start_loc=query_start_loc_device,
             causal=self._dcp_causal,
-            max_query_len=int(query_lens.max()) if len(query_lens) else 0,
+            # vLLM's promise, not a measurement of the host offsets: under
+            # adaptive verification those are even while the device ones are
+            # ragged, and a CUDA graph must be sized for the bound.
+            max_query_len=max_query_len,
             dcp_rank=self.dcp_rank,
             dcp_world_size=self.dcp_world_size,
             interleave=self.cp_kv_cache_interleave_size,

@@ -30,6 +30,7 @@ def register() -> None:
         register_backend,
     )
 
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
     from vllm.v1.attention.backends.mla.cpu_dcp_patches import (
         install_cpu_dcp_patches,
     )
@@ -37,5 +38,6 @@ def register() -> None:
     for name, class_path in BACKEND_OVERRIDES:
         register_backend(AttentionBackendEnum[name], class_path)
     install_cpu_dcp_patches()
+    dcp_startup_checks.install()
     logger.debug("vllm-dcp-dspark: registered %d MLA backend overrides",
                  len(BACKEND_OVERRIDES))

@@ -6,12 +6,14 @@ native DCP arguments, so a uniform decode batch stays fused: the causal
 verify block (``causal_mask=True``) and the non-causal DSpark draft block
 (``causal_mask=False``) run as ``[requests, q_len]`` queries with the global
 bounds (``causal_seqs``), ``cp_world``, ``cp_rank`` and ``cp_interleave_size``
-taken from the per-forward ``DCPDecodeMetadata``. A batch that is not uniform
-(CUDA-graph padding) runs as one single-token query per flattened row,
-bounded by the row's local length. The kernel's LSE is base 2; rows where
-this rank holds no KV are masked from the metadata (out 0, LSE -inf), which
-also covers rows whose per-token bound is 0 while their request's local
-length is not.
+taken from the per-forward ``DCPDecodeMetadata``. A batch that does not fill
+requests x vLLM's query-length bound (CUDA-graph padding, ragged query
+lengths) runs as one single-token query per flattened row, bounded by the
+row's local length. Under DCP the backend declares host/device query-length
+mismatches (adaptive verification) unsupported. The kernel's LSE is base 2;
+rows where this rank holds no KV are masked from the metadata (out 0, LSE
+-inf), which also covers rows whose per-token bound is 0 while their
+request's local length is not.
 """
 
 from __future__ import annotations
@@ -34,6 +36,18 @@ from vllm.v1.attention.backends.mla.tokenspeed_mla import (
     _get_workspace,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
+
+
+def _dcp_size() -> int:
+    """DCP world size from the current config, else from the DCP group."""
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.distributed import parallel_state
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is not None:
+        return vllm_config.parallel_config.decode_context_parallel_size
+    group = parallel_state._DCP
+    return group.world_size if group is not None else 1
 
 
 class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetadataBuilder):
@@ -85,6 +99,10 @@ class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
             self.softmax_scale = self.scale * layer._q_scale_float * layer._k_scale_float
             self.output_scale = layer._k_scale_float
 
+        # vLLM's bound, not the host offsets: no request exceeds it, so R x
+        # bound tokens means every real request sits at the bound (in a
+        # uniform CUDA graph, zero-length padding requests take the padding
+        # tokens and their rows are empty); anything else runs on the rows.
         uniform = num_tokens == num_reqs * decode.max_query_len
         if uniform:
             query = q.view(num_reqs, decode.max_query_len, num_heads, q.shape[-1])
@@ -128,6 +146,23 @@ class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
 
 class TokenspeedDCPMLABackend(TokenspeedMLABackend):
     """``TOKENSPEED_MLA`` reading the per-forward DCP metadata; sm100 only."""
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        """False under DCP: adaptive verification (device query offsets
+        ragged, host ones even) is refused, so the selector picks another
+        backend and a forced ``TOKENSPEED_MLA`` fails its config check.
+
+        The builder is ``QueryLenSupport.UNIFORM``: vLLM splits decodes from
+        prefills on the host offsets requiring uniform decodes, so an uneven
+        host spread ([4, 4, 3, 3]) turns verify requests into prefills whose
+        offsets do not hold on the device; and its ``UNIFORM_BATCH`` CUDA
+        graphs cannot replay ragged batches (vLLM's adaptive verification
+        refuses them at start-up anyway). With DCP 1 the answer is upstream's.
+        """
+        if _dcp_size() > 1:
+            return False
+        return super().supports_device_cpu_query_lens_mismatch()
 
     @staticmethod
     def get_impl_cls() -> type[TokenspeedDCPMLAImpl]:

