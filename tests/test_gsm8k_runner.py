@@ -12,6 +12,7 @@ meaningless; the pipeline is what is tested.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -207,3 +208,48 @@ def test_gsm8k_runner_against_cpu_tp2_dcp2_server(tmp_path, capfd):
     server_log = log.read_text()
     assert "decode_context_parallel_size=2" in server_log
     assert "Worker_TP1_DCP1" in server_log
+
+
+def test_cpu_flag_sets_the_mrv2_switch_only_with_a_draft():
+    assert "VLLM_DCP_CPU_MRV2" not in serve.cpu_server_env(2)
+    assert serve.cpu_server_env(2, dspark=True)["VLLM_DCP_CPU_MRV2"] == "1"
+
+
+@pytest.mark.engine
+@needs_gsm8k
+def test_gsm8k_runner_against_cpu_tp2_dcp2_dspark_server(tmp_path):
+    """``serve_dcp_dspark.py --cpu --draft`` serves DSpark x DCP on CPU (Model
+    Runner V2 in Triton's interpreter) and ``gsm8k.py`` scores 5 problems
+    against it, both as command lines."""
+    from tiny_dspark import build_tiny_dspark_checkpoint
+    from tiny_mla import build_tiny_mla_checkpoint
+
+    model = build_tiny_mla_checkpoint(tmp_path / "tiny-mla")
+    draft = build_tiny_dspark_checkpoint(tmp_path / "tiny-dspark", model)
+    port = serve.free_port()
+    log = tmp_path / "server.log"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_DCP_CPU_MRV2"}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "serve_dcp_dspark.py"),
+           "--model", str(model), "--tp", "2", "--dcp", "2",
+           "--draft", str(draft), "--cpu", "--port", str(port),
+           "--log", str(log), "--ready-timeout", "600",
+           "--then", sys.executable, str(REPO / "benchmarks" / "gsm8k.py"),
+           "--base-url", "{base_url}", "--data-dir", str(GSM8K_SLICE),
+           "--limit", "5", "--num-concurrent", "5", "--max-gen-toks", "32",
+           "--", "--dtype", "float32", "--enforce-eager", "--max-model-len",
+           "2048", "--block-size", "16", "--max-num-seqs", "8"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=1200, cwd=REPO)
+    server_log = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-3000:]
+                                  + server_log[-5000:])
+    result = [json.loads(line) for line in proc.stdout.splitlines()
+              if line.startswith('{"gsm8k"')]
+    assert result and result[-1]["gsm8k"]["n_samples"] == 5
+    assert 0.0 <= result[-1]["gsm8k"]["strict-match"] <= 1.0
+    assert "Using V2 Model Runner" in server_log
+    assert "method='dspark'" in server_log
+    assert "decode_context_parallel_size=2" in server_log
+    assert "Worker_TP1_DCP1" in server_log
+    # vLLM's periodic spec-decode log: drafts were made and verified.
+    assert "SpecDecoding metrics" in server_log

@@ -6,7 +6,11 @@ threads, which does not mix with pytest's process) and read one JSON object
 from the last line of stdout::
 
     python tests/engine/greedy_run.py --model DIR --prompts-json FILE \
-        --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3]
+        --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR]
+
+``--draft`` speculates with a DSpark draft checkpoint; that needs Model
+Runner V2, which on CPU needs ``VLLM_DCP_CPU_MRV2=1`` in the environment
+this process starts with (the switch acts at interpreter start).
 
 Output: ``{"tokens": [[...] per prompt], "load_s": ..., "generate_s": ...,
 "spec": {...}}``.
@@ -46,7 +50,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ngram", type=int, default=0,
                         help="ngram speculative tokens (0: no speculation)")
+    parser.add_argument("--draft", help="DSpark draft checkpoint")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
     args = parser.parse_args()
+    if args.draft and os.environ.get("VLLM_DCP_CPU_MRV2", "0") in ("", "0"):
+        parser.error("--draft (DSpark) needs VLLM_DCP_CPU_MRV2=1 on CPU")
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -60,6 +68,9 @@ def main() -> None:
             "prompt_lookup_min": 2,
             "prompt_lookup_max": 4,
         }
+    if args.draft:
+        kwargs["speculative_config"] = {"method": "dspark", "model": args.draft}
+    speculating = bool(args.ngram or args.draft)
     start = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -70,9 +81,9 @@ def main() -> None:
         block_size=16,
         enforce_eager=True,
         max_model_len=512,
-        max_num_seqs=8,
+        max_num_seqs=args.max_num_seqs,
         seed=0,
-        disable_log_stats=not args.ngram,
+        disable_log_stats=not speculating,
         **kwargs,
     )
     loaded = time.perf_counter()
@@ -82,9 +93,9 @@ def main() -> None:
                            params, use_tqdm=False)
     done = time.perf_counter()
     spec = {}
-    if args.ngram:
+    if speculating:
         try:
-            spec = {m.name: getattr(m, "value", None)
+            spec = {m.name: (m.value if hasattr(m, "value") else getattr(m, "values", None))
                     for m in llm.get_metrics() if "spec_decode" in m.name}
         except Exception as exc:  # metrics are informative only
             spec = {"error": repr(exc)}

@@ -9,7 +9,9 @@ each with its own local causal bound), returning natural-log LSE for vLLM's
 combine. That covers single-token decode, causal multi-token speculative
 verify and non-causal draft blocks alike.
 
-With DCP = 1 everything (builder, decode kernel, prefill) is upstream's.
+With DCP = 1 everything (builder, decode kernel, prefill) is upstream's,
+except in a DSpark draft's KV group: upstream's CPU decode takes one token per
+request, so the draft's non-causal block decodes on the same rows.
 Prefill is always upstream's: on CPU, MLA runs without chunked prefill and
 prefix caching, so a prefill never reads KV from the (sharded) cache.
 """
@@ -42,8 +44,9 @@ class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
 
     Under DCP the decode path accepts variable query lengths and non-causal
     blocks (each query token is its own row), so speculative verify batches
-    and draft blocks are decodes; with DCP = 1 the builder is upstream's
-    (single-token decode only).
+    and draft blocks are decodes. With DCP = 1 the builder is upstream's
+    (single-token decode only), except for a DSpark draft group (non-causal
+    block), which decodes on the flattened rows as under DCP.
     """
 
     # Only consulted when DCP > 1.
@@ -57,9 +60,16 @@ class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
         device: torch.device,
     ) -> None:
         use_dcp = vllm_config.parallel_config.decode_context_parallel_size > 1
-        if use_dcp:
+        # A DSpark draft group decodes a non-causal block; the stock CPU
+        # decode kernel takes one token per request, so at DCP = 1 such a
+        # group runs on the flattened rows too (the target stays upstream's).
+        ctx = vllm_config.compilation_config.static_forward_context
+        draft_block = any(getattr(ctx.get(name), "non_causal_multi_token_decode",
+                                  False) for name in layer_names)
+        if use_dcp or draft_block:
             self.query_len_support = QueryLenSupport.VARLEN
             self.supports_non_causal_multi_token_decode = True
+        self.rows_without_dcp = draft_block and not use_dcp
         super().__init__(
             kv_cache_spec,
             layer_names,
@@ -109,12 +119,13 @@ class CPUDCPMLAImpl(CPUMLAImpl):
 
         Returns:
             ``(out [N, H, Dv] in q's dtype, lse [N, H] float32 natural log)``;
-            with DCP = 1, upstream's ``(out, None)``. Rows for which this rank
-            holds no KV give ``lse = -inf``.
+            with DCP = 1, ``(out, None)`` (upstream's kernel unless the
+            builder made flattened rows: a DSpark draft block). Rows for which
+            this rank holds no KV give ``lse = -inf``.
         """
-        if self.dcp_world_size == 1:
-            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
         decode = attn_metadata.decode
+        if self.dcp_world_size == 1 and not isinstance(decode, DCPDecodeMetadata):
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
         assert isinstance(decode, DCPDecodeMetadata), (
             "DCP decode needs the per-forward flattened rows of "
             f"CPUDCPMLAMetadataBuilder, got {type(decode).__name__}")
