@@ -29,6 +29,22 @@ REPO = Path(__file__).resolve().parents[1]
 GPU_MAJORS = (9, 10)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _unload_llvmlite():
+    """Selecting as on a GPU imports FlashInfer's CUDA stack, and with it
+    llvmlite, whose ``ffi.lib`` answers every attribute lookup: vLLM's
+    Triton dispatcher (``register_kernels``) then fails scanning
+    ``sys.modules`` in any later test of this process. Unload what this
+    module loaded of it."""
+    import sys
+
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("llvmlite", "numba"):
+            del sys.modules[name]
+
+
 def _selected(result):
     assert isinstance(result, type), f"vLLM selected no backend: {result}"
     return result
