@@ -24,11 +24,22 @@ FLASHINFER_QK_NOPE_HEAD_DIMS = (64, 128, 192)
 TOKENSPEED_HEAD_DIMS = (128, 64, 128)  # qk_nope, qk_rope, v
 TOKENSPEED_MAX_QUERY_LEN = 8
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-# The block size vLLM gives a backend without --block-size (the smallest of
-# its kernel block sizes, 32 and 64, as 16 is not one); read off here so the
-# config-time check need not import the kernels (flashinfer's import queries
-# the GPU, which must not happen in vLLM's front-end process).
-DEFAULT_BLOCK_SIZE = {FLASHINFER_MLA: 32, TOKENSPEED_MLA: 32}
+# The kernels' block sizes (their backends' ``get_supported_kernel_block_sizes``),
+# read off here so that the config-time check need not import the kernels
+# (flashinfer's import queries the GPU, which must not happen in vLLM's
+# front-end process).
+KERNEL_BLOCK_SIZES = {FLASHINFER_MLA: (32, 64), TOKENSPEED_MLA: (32, 64)}
+
+
+def default_block_size(backend: str) -> int:
+    """The block size vLLM gives ``backend`` without --block-size: vLLM's
+    default (16 in 0.32, 64 in 0.34) if the kernel takes it, else the
+    kernel's smallest (vLLM's ``get_preferred_block_size`` rule)."""
+    from vllm.config.cache import CacheConfig
+
+    sizes = KERNEL_BLOCK_SIZES[backend]
+    default = CacheConfig.DEFAULT_BLOCK_SIZE
+    return default if default in sizes else min(sizes)
 
 
 @dataclass(frozen=True)

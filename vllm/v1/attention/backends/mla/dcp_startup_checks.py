@@ -74,12 +74,12 @@ def _block_size_for(vllm_config, backend_name: str) -> int:
 
     vLLM keeps an explicit ``--block-size`` (the CPU platform has already
     forced MLA's 16 by now); otherwise a worker later gives the backend its
-    preferred size (``checks.DEFAULT_BLOCK_SIZE``).
+    preferred size (``checks.default_block_size``).
     """
     cache = vllm_config.cache_config
     if cache.user_specified_block_size or backend_name == checks.CPU_MLA:
         return cache.block_size
-    return checks.DEFAULT_BLOCK_SIZE[backend_name]
+    return checks.default_block_size(backend_name)
 
 
 def check_vllm_config(vllm_config) -> None:
