@@ -3,13 +3,10 @@
 
 For each point (heads H, batch, global context, mode, DCP size W) and for
 ranks 0 and W-1 (rank 0 holds the most KV, so it bounds the step), times
-  flat     one non-causal row per query token (FlatDecode),
-  grouped  one non-causal row per group of tokens with equal local bound,
-  prefix   one non-causal segment per request over the request's first local
-           bound, plus a Triton kernel for each token's <= q_len-1 tail keys
-           and the merge (its time includes that kernel and the adapter's LSE
-           scaling and empty-row masking; the other variants are the bare
-           FlashInfer run),
+  prefix   the backend's path: one non-causal FA3 segment per request over the
+           request's first local bound, plus the Triton kernel that adds each
+           token's <= q_len-1 tail keys and merges (its time includes that
+           kernel, which also converts the LSE and masks empty rows),
   native   FlashInfer's own multi-token decode over the same local KV, one
            segment per request (causal for verify, non-causal for a draft);
            at W = 1 this is plain no-DCP decode. FlashInfer's FA3 planner
@@ -18,10 +15,9 @@ ranks 0 and W-1 (rank 0 holds the most KV, so it bounds the step), times
            (same KV reads, no mask): the baseline column says which.
 Kimi-K3 shapes: latent 512 + rope 64, bf16, page 64. Reports achieved KV
 bandwidth (unique local KV bytes / time) against a measured device copy rate,
-the per-rank ratio flat/native and grouped/native, and the time of a W-rank
-step (max over ranks) against W = 1 native. Kernel time only (CUDA-graph
-replay of the wrapper's run; the adapter's LSE scaling and empty-row masking
-add two small elementwise kernels).
+the per-rank ratio prefix/native, and the time of a W-rank step (max over
+ranks) against W = 1 native. Kernel time only (CUDA-graph replay of the run;
+the native baseline is FlashInfer's bare run).
 
 Example: python benchmarks/decode.py --out-dir benchmarks/results
 """
@@ -44,7 +40,8 @@ from _common import (copy_bandwidth_tbs, environment, print_table,  # noqa: E402
 from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens  # noqa: E402
 from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA  # noqa: E402
 from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
-    build_flat_decode_triton, build_grouped_decode)
+    build_flat_decode_triton)
+from fa3_native import NativeFA3MLA, plan_prefix_tail_from_rows  # noqa: E402
 
 DV, DR, PAGE = 512, 64, 64
 KV_BYTES_PER_TOKEN = (DV + DR) * 2
@@ -106,31 +103,23 @@ def main():
             flat = build_flat_decode_triton(
                 seq_d, qsl, table, world_size=world, rank=rank,
                 interleave=args.interleave, causal=causal, num_rows=n)
-            grouped = build_grouped_decode(flat, qsl, table)
             times = {}
             mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE,
                                     sm_scale=scale)
-            variants = ["flat", "grouped", "prefix", "native"]
+            native = NativeFA3MLA(ws, num_heads=heads, page_size=PAGE,
+                                  sm_scale=scale)
+            variants = ["prefix", "native"]
             if causal:
                 variants.append("native_nc")
             for variant in variants:
                 try:
-                    if variant == "flat":
-                        mla.plan_flat(flat)
-                    elif variant == "grouped":
-                        mla.plan_grouped(grouped, num_tokens=n)
-                    elif variant == "prefix":
-                        mla.plan_causal_prefix(flat, qsl)
-                    else:
-                        mla.plan_requests(qsl, local_d, table,
-                                          causal=variant == "native" and causal)
                     if variant == "prefix":
-                        # Prefix segments + the Triton tail/merge kernel.
+                        plan_prefix_tail_from_rows(mla, flat, qsl)
                         run = lambda: mla.run(q, cache, out=out, lse=lse)
                     else:
-                        run = lambda: mla._wrapper.run(query=q, kv_cache=cache,
-                                                       out=out, lse=lse,
-                                                       return_lse=True)
+                        native.plan(qsl, local_d, table,
+                                    causal=variant == "native" and causal)
+                        run = lambda: native.run(q, cache, out=out, lse=lse)
                     times[variant] = time_ms(run, rep=args.rep)
                 except Exception as e:  # noqa: BLE001 - e.g. unsupported plan
                     msg = str(e).splitlines()[0][:200]
@@ -149,33 +138,26 @@ def main():
                 base = times["native_nc"]
             kv_bytes = int(local.sum()) * KV_BYTES_PER_TOKEN
             row = dict(heads=heads, batch=batch, ctx=ctx, mode=mode, W=world,
-                       rank=rank, groups=int(grouped.num_groups), rows=n,
-                       flat_us=times["flat"] * 1e3,
-                       grouped_us=times["grouped"] * 1e3,
+                       rank=rank, rows=n,
                        prefix_us=times["prefix"] * 1e3,
                        native_us=times["native"] * 1e3,
                        native_nc_us=times["native_nc"] * 1e3,
                        baseline="native" if times["native"] == times["native"]
                        else "native_nc",
                        baseline_us=base * 1e3,
-                       flat_over_base=times["flat"] / base,
-                       grouped_over_base=times["grouped"] / base,
                        prefix_over_base=times["prefix"] / base,
                        base_TBps=kv_bytes / (base * 1e-3) / 1e12,
-                       grouped_TBps=kv_bytes / (times["grouped"] * 1e-3) / 1e12)
-            row["grouped_bw_frac"] = row["grouped_TBps"] / copy_tbs
+                       prefix_TBps=kv_bytes / (times["prefix"] * 1e-3) / 1e12)
+            row["prefix_bw_frac"] = row["prefix_TBps"] / copy_tbs
             rows.append(row)
             write_csv(os.path.join(args.out_dir, "decode.csv"), rows)
     del cache
     os.makedirs(args.out_dir, exist_ok=True)
     write_csv(os.path.join(args.out_dir, "decode.csv"), rows)
     print(f"copy rate (read+write): {copy_tbs:.2f} TB/s")
-    print_table(rows, ["heads", "batch", "ctx", "mode", "W", "rank", "groups",
-                       "flat_us", "grouped_us", "prefix_us", "native_us",
-                       "native_nc_us", "baseline",
-                       "flat_over_base", "grouped_over_base", "prefix_over_base",
-                       "base_TBps",
-                       "grouped_TBps"])
+    print_table(rows, ["heads", "batch", "ctx", "mode", "W", "rank",
+                       "prefix_us", "native_us", "native_nc_us", "baseline",
+                       "prefix_over_base", "base_TBps", "prefix_TBps"])
 
     # W-rank step: max over the timed ranks vs W = 1 native.
     steps = []
@@ -187,19 +169,14 @@ def main():
         for world in args.world:
             ws_ = [r for r in sel if r["W"] == world]
             step = dict(heads=heads, batch=batch, ctx=ctx, mode=mode, W=world,
-                        step_flat_us=max(r["flat_us"] for r in ws_),
-                        step_grouped_us=max(r["grouped_us"] for r in ws_),
                         step_prefix_us=max(r["prefix_us"] for r in ws_),
                         w1_base_us=base)
-            step["flat_vs_w1"] = step["step_flat_us"] / base
-            step["grouped_vs_w1"] = step["step_grouped_us"] / base
             step["prefix_vs_w1"] = step["step_prefix_us"] / base
             steps.append(step)
     write_csv(os.path.join(args.out_dir, "decode_step.csv"), steps)
     print("\nW-rank step (max over ranks 0 and W-1) vs W=1 native:")
-    print_table(steps, ["heads", "batch", "ctx", "mode", "W", "step_flat_us",
-                        "step_grouped_us", "step_prefix_us", "w1_base_us",
-                        "flat_vs_w1", "grouped_vs_w1", "prefix_vs_w1"])
+    print_table(steps, ["heads", "batch", "ctx", "mode", "W", "step_prefix_us",
+                        "w1_base_us", "prefix_vs_w1"])
 
     import matplotlib
     matplotlib.use("Agg")
@@ -216,11 +193,7 @@ def main():
             sel = [next(s for s in steps if (s["heads"], s["batch"], s["ctx"],
                         s["mode"], s["W"]) == (heads, b, c, mode, world))
                    for b, c in points]
-            ax.plot(x, [s["step_grouped_us"] for s in sel], "o-", color=f"C{k}",
-                    label=f"grouped W={world}")
-            ax.plot(x, [s["step_flat_us"] for s in sel], "x--", color=f"C{k}",
-                    label=f"flat W={world}")
-            ax.plot(x, [s["step_prefix_us"] for s in sel], "^:", color=f"C{k}",
+            ax.plot(x, [s["step_prefix_us"] for s in sel], "^-", color=f"C{k}",
                     label=f"prefix+tail W={world}")
         ax.plot(x, [next(s["w1_base_us"] for s in steps
                          if (s["heads"], s["batch"], s["ctx"], s["mode"]) ==

@@ -28,6 +28,7 @@ from vllm.v1.attention.ops.dcp_decode import alloc_flat_decode, dcp_local_seq_le
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
+from fa3_native import NativeFA3MLA
 
 DV, DR, PAGE = 512, 64, 64
 HBM_TBPS = 4.25  # measured copy bandwidth here
@@ -125,10 +126,10 @@ def point(batch, ctx, world, layers, heads, q_len, ws, args):
         kernel.run(qs[0], caches[0], out=outs[0][0], lse=outs[0][1])
     layer_ms = time_ms(one_layer, 20)
     # FlashInfer's own causal multi-token decode (no DCP) on the same local KV.
-    native = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE, sm_scale=scale,
-                               dtype=torch.bfloat16)
-    native.plan_requests(qsl.to(dev), torch.full((batch,), local, dtype=torch.int32,
-                                                 device=dev), table, causal=True)
+    native = NativeFA3MLA(ws, num_heads=heads, page_size=PAGE, sm_scale=scale,
+                          dtype=torch.bfloat16)
+    native.plan(qsl.to(dev), torch.full((batch,), local, dtype=torch.int32,
+                                        device=dev), table, causal=True)
     native_ms = time_ms(lambda: native.run(qs[0], caches[0]), 20)
     del caches
     bytes_step = layers * batch * local * (DV + DR) * 2

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 
+import fa3_native  # benchmarks/ (pytest's pythonpath)
 from vllm.v1.attention.ops import dcp_decode as dcp
 from vllm.v1.attention.ops import flashinfer_sm90_mla as fsm
 
@@ -49,7 +50,8 @@ def _csr_python(kv_lens, table, page):
 
 
 @pytest.mark.parametrize("seed", range(15))
-def test_paged_kv_csr_matches_python(seed):
+def test_native_paged_kv_csr_matches_python(seed):
+    """The benchmarks' no-DCP baseline plans these page lists."""
     gen = torch.Generator().manual_seed(seed)
     segs = int(torch.randint(1, 30, (), generator=gen))
     page = [1, 16, 64][seed % 3]
@@ -57,21 +59,11 @@ def test_paged_kv_csr_matches_python(seed):
     kv_lens = torch.randint(0, page * cols + 1, (segs,), generator=gen).int()
     kv_lens[torch.rand(segs, generator=gen) < 0.2] = 0
     table = torch.randint(1, 5000, (segs, cols), generator=gen).int()
-    csr = fsm.build_paged_kv_csr(kv_lens, table, page)
+    kv_indptr, kv_indices = fa3_native.paged_kv_csr(kv_lens, table, page)
     indptr, indices = _csr_python(kv_lens, table, page)
-    assert csr.kv_indptr.tolist() == indptr
-    assert csr.kv_indices.shape[0] == segs * cols
-    assert csr.kv_indices[: indptr[-1]].tolist() == indices
-    assert bool((csr.kv_indices[indptr[-1]:] == 0).all())
-    assert csr.kv_indptr.dtype == torch.int32 == csr.kv_indices.dtype
-
-
-def test_token_empty_mask_matches_python():
-    qsl = torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32)
-    kv = torch.tensor([5, 0, 0, 7], dtype=torch.int32)
-    got = fsm.token_empty_mask(qsl, kv, 11).tolist()
-    want = [False] * 3 + [True] + [False] * 5 + [True, True]
-    assert got == want
+    assert kv_indptr.tolist() == indptr
+    assert kv_indices.tolist() == indices
+    assert kv_indptr.dtype == torch.int32 == kv_indices.dtype
 
 
 class _FakeWrapper:
@@ -198,8 +190,10 @@ needs_triton = pytest.mark.skipif(
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _merged_dcp(mode, causal, world, interleave, *, seed=0, lens=(3, 40, 70, 9, 2),
+def _merged_dcp(causal, world, interleave, *, seed=0, lens=(3, 40, 70, 9, 2),
                 page=16):
+    """Every rank planned as the backend plans (prefix+tail), run, merged;
+    and float64-accumulated full attention without DCP."""
     cache, table, seq, qsl, q, page, heads = _dcp_case(seed, causal, page, lens)
     rows, scale = q.shape[0], 0.07
     full = dcp.build_flat_decode(seq, qsl, table, world_size=1, rank=0,
@@ -218,33 +212,12 @@ def _merged_dcp(mode, causal, world, interleave, *, seed=0, lens=(3, 40, 70, 9, 
         mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8, device=DEVICE),
                                     num_heads=heads, page_size=page,
                                     sm_scale=scale, dtype=torch.float32)
-        if mode == "grouped":
-            tdm = pytest.importorskip("vllm.v1.attention.ops.triton_dcp_metadata")
-            mla.plan_grouped(tdm.build_grouped_decode_reference(flat, qsl.to(DEVICE),
-                                                                lt.to(DEVICE)),
-                             num_tokens=rows)
-        elif mode == "prefix":
-            mla.plan_causal_prefix(flat, qsl.to(DEVICE))
-        else:
-            mla.plan_flat(flat)
+        fa3_native.plan_prefix_tail_from_rows(mla, flat, qsl.to(DEVICE))
         out, lse = mla.run(q.to(DEVICE), lc.to(DEVICE))
         assert not torch.isnan(out).any() and not torch.isnan(lse).any()
         outs.append(out.cpu())
         lses.append(lse.cpu())
     return dcp.merge_partials(torch.stack(outs), torch.stack(lses)), ref
-
-
-@pytest.mark.parametrize("mode", ["flat", "grouped"])
-@pytest.mark.parametrize("causal", [True, False])
-def test_adapter_dcp_merge_with_fake(fake_flashinfer, causal, mode):
-    (out, lse), (ref_out, ref_lse) = _merged_dcp(mode, causal, 4, 8)
-    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
-    kinds = [c[0] for c in fake_flashinfer.calls]
-    assert kinds[0] == "init" and fake_flashinfer.calls[0][1]["backend"] == "fa3"
-    plan = next(c[1] for c in fake_flashinfer.calls if c[0] == "plan")
-    assert plan["causal"] is False and plan["lse_mode"] == "base2"
-    assert plan["head_dim_ckv"] == 512 and plan["head_dim_kpe"] == 64
 
 
 @needs_triton
@@ -253,11 +226,19 @@ def test_adapter_dcp_merge_with_fake(fake_flashinfer, causal, mode):
 def test_triton_path_prefix_tail_merges_to_full(fake_flashinfer, causal, world,
                                                 interleave):
     """Ragged, padded, a q_len-0 request, prefix-0 rows with tails, page 4 so
-    that tails cross local pages."""
+    that tails cross local pages; FA3 is made and planned as the backend needs
+    it (fa3 backend, non-causal segments, base-2 LSE, 512 + 64 wide)."""
     (out, lse), (ref_out, ref_lse) = _merged_dcp(
-        "prefix", causal, world, interleave, lens=(3, 40, 70, 9, 2), page=4)
+        causal, world, interleave, lens=(3, 40, 70, 9, 2), page=4)
     torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+    kinds = [c[0] for c in fake_flashinfer.calls]
+    assert kinds[0] == "init" and fake_flashinfer.calls[0][1]["backend"] == "fa3"
+    plans = [c[1] for c in fake_flashinfer.calls if c[0] == "plan"]
+    assert len(plans) == world
+    for plan in plans:
+        assert plan["causal"] is False and plan["lse_mode"] == "base2"
+        assert plan["head_dim_ckv"] == 512 and plan["head_dim_kpe"] == 64
 
 
 def test_plan_prefix_tail_host_segments():
@@ -279,28 +260,20 @@ def test_plan_prefix_tail_host_segments():
         assert p.qo_indptr.device.type == "cpu"
 
 
-@pytest.mark.parametrize("mode", ["flat", "grouped", "requests", "prefix_host"])
-def test_rows_run_are_rows_planned(fake_flashinfer, mode):
-    """FlashInfer 0.7.4 runs only the planned rows: every plan covers the
-    padding rows too, and a run of another row count is refused."""
+def test_rows_run_are_rows_planned(fake_flashinfer):
+    """FlashInfer 0.7.4 runs only the planned rows: the plan covers the
+    padding rows too, from host offsets, and a run of another row count is
+    refused."""
     cache, table, seq, qsl, q, page, heads = _dcp_case(2, True)
     rows = q.shape[0]
     flat = dcp.build_flat_decode(seq, qsl, table, world_size=2, rank=1,
                                  interleave=1, causal=True, num_rows=rows)
     mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8), num_heads=heads,
                                 page_size=page, sm_scale=0.1, dtype=torch.float32)
-    if mode == "flat":
-        mla.plan_flat(flat)
-    elif mode == "grouped":
-        tdm = pytest.importorskip("vllm.v1.attention.ops.triton_dcp_metadata")
-        mla.plan_grouped(tdm.build_grouped_decode_reference(flat, qsl, table),
-                         num_tokens=rows)
-    elif mode == "requests":
-        mla.plan_requests(qsl, seq, table, causal=False)
-        rows = int(qsl[-1])
-    else:
-        host = fsm.plan_prefix_tail_host(qsl, seq, num_rows=rows, page_size=page)
-        mla.plan_prefix_tail(host, table, flat.seq_lens, flat.block_table)
+    with pytest.raises(ValueError, match="plan every forward"):
+        mla.run(q, cache)  # nothing planned yet
+    host = fsm.plan_prefix_tail_host(qsl, seq, num_rows=rows, page_size=page)
+    mla.plan_prefix_tail(host, table, flat.seq_lens, flat.block_table)
     plan = next(c[1] for c in reversed(fake_flashinfer.calls) if c[0] == "plan")
     qo = plan["metadata"].qo_indptr
     assert qo.device.type == "cpu" and int(qo[-1]) == rows
@@ -326,7 +299,7 @@ def test_prefix_tail_plan_uses_persistent_buffers(fake_flashinfer):
                                          num_rows=rows, page_size=page)
         mla.plan_prefix_tail(host, table, flat.seq_lens, flat.block_table)
         ptrs.append(fake_flashinfer.calls[-1][1]["metadata"].kv_indices.data_ptr())
-        ptrs.append(mla.tail[2].data_ptr())
+        ptrs.append(mla.tail.prefix_lens.data_ptr())
         wrappers.append(mla._wrapper)
     assert ptrs[0] == ptrs[2] and ptrs[1] == ptrs[3]
     # One CUDA-graph wrapper for the segment count, replanned in place.
@@ -340,27 +313,42 @@ def test_prefix_tail_plan_uses_persistent_buffers(fake_flashinfer):
 
 
 @pytest.mark.skipif(not HAVE_FLASHINFER, reason="flashinfer not importable")
-def test_calls_bind_to_installed_flashinfer(fake_flashinfer):
+def test_calls_bind_to_installed_flashinfer(fake_flashinfer, monkeypatch):
+    """The adapter's and the benchmarks' baseline's FlashInfer calls bind to
+    the installed signatures (the tail kernel is not what this checks)."""
     # The fixture swapped sys.modules; _REAL_MLA was imported before it.
+    monkeypatch.setattr(fsm, "tail_merge", lambda *args, **kwargs: None)
     cache, table, seq, qsl, q, page, heads = _dcp_case(3, True)
     flat = dcp.build_flat_decode(seq, qsl, table, world_size=2, rank=0,
                                  interleave=1, causal=True, num_rows=q.shape[0])
     mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8),
                                 num_heads=heads, page_size=page, sm_scale=0.1,
                                 dtype=torch.float32)
-    mla.plan_flat(flat)
+    fa3_native.plan_prefix_tail_from_rows(mla, flat, qsl)
     mla.run(q, cache)
-    calls = {k: v for k, v in fake_flashinfer.calls}
+    native = fa3_native.NativeFA3MLA(torch.empty(8, dtype=torch.uint8),
+                                     num_heads=heads, page_size=page,
+                                     sm_scale=0.1, dtype=torch.float32)
+    native.plan(qsl, seq, table, causal=False)
+    native.run(q[: int(qsl[-1])], cache)
     installed = _REAL_MLA
     wrapper = installed.BatchMLAPagedAttentionWrapper
     sig_init = inspect.signature(wrapper.__init__)
-    sig_init.bind(None, torch.empty(1), **calls["init"])
-    inspect.signature(inspect.unwrap(wrapper.plan)).bind(None, **calls["plan"])
-    inspect.signature(inspect.unwrap(wrapper.run)).bind(None, **calls["run"])
+    sig_plan = inspect.signature(inspect.unwrap(wrapper.plan))
+    sig_run = inspect.signature(inspect.unwrap(wrapper.run))
+    checked = {"init": 0, "plan": 0, "run": 0}
+    for kind, kwargs in fake_flashinfer.calls:
+        if kind == "init":
+            sig_init.bind(None, torch.empty(1), **kwargs)
+        else:
+            (sig_plan if kind == "plan" else sig_run).bind(None, **kwargs)
+        checked[kind] += 1
+    # The adapter's plain and CUDA-graph wrappers, the baseline's wrapper.
+    assert checked == {"init": 3, "plan": 2, "run": 2}
     inspect.signature(installed.MLAPlanMetadata.csr).bind(
         qo_indptr=1, kv_indptr=1, kv_indices=1, kv_len_arr=1)
     for name in ("metadata", "lse_mode", "page_size", "sm_scale"):
-        assert name in inspect.signature(inspect.unwrap(wrapper.plan)).parameters
+        assert name in sig_plan.parameters
 
 
 _REAL_MLA = real_fi_mla if HAVE_FLASHINFER else None

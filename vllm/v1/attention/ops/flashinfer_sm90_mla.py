@@ -16,10 +16,8 @@ tensors into persistent buffers, and uses FlashInfer's CUDA-graph wrapper
 for the segment counts of CUDA-graph sizes, so that a captured graph of
 ``run`` calls replays correctly after every later plan.
 
-``plan_flat`` / ``plan_grouped`` / ``plan_requests`` / ``plan_causal_prefix``
-are eager variants (they read device data back) kept for checks and
-benchmarks: one segment per row, per row group, per request (FlashInfer's own
-causal decode, the no-DCP baseline) or the prefix+tail plan from device data.
+FlashInfer's own no-DCP decode (the benchmarks' baseline) and an eager plan
+from device rows live beside the benchmarks (``benchmarks/fa3_native.py``).
 
 ``run`` returns ``(out [T, H, Dv], lse [T, H])`` per query row with the LSE
 in natural log, ready for ``dcp_decode.merge_partials``. flashinfer is
@@ -37,93 +35,16 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import FlatDecode, dcp_local_seq_lens
-from vllm.v1.attention.ops.mla_tail_merge import LN2, tail_merge
+from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens
+from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
 __all__ = [
     "FlashInferSm90MLA",
     "PrefixTailPlan",
+    "TailRows",
     "host_prefix_lens",
     "plan_prefix_tail_host",
-    "PagedKVCSR",
-    "build_paged_kv_csr",
-    "token_empty_mask",
 ]
-
-
-@dataclass
-class PagedKVCSR:
-    """Paged-KV CSR metadata of S attention segments.
-
-    Attributes:
-        kv_indptr: int32 [S + 1], ``cumsum(ceil(kv_lens / page))``.
-        kv_indices: int32 [S * B], segment ``s``'s pages at
-            ``kv_indices[kv_indptr[s] : kv_indptr[s + 1]]``; entries past
-            ``kv_indptr[-1]`` are unused (left 0) so that the size is static.
-        kv_lens: int32 [S], KV tokens per segment.
-    """
-
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_lens: torch.Tensor
-
-
-def build_paged_kv_csr(
-    kv_lens: torch.Tensor, block_table: torch.Tensor, page_size: int
-) -> PagedKVCSR:
-    """CSR page lists from a dense block table, without host syncs.
-
-    Args:
-        kv_lens: int32 [S] tokens each segment attends to (0 allowed).
-        block_table: int32 [S, B] page ids of each segment.
-        page_size: tokens per page.
-
-    Returns:
-        PagedKVCSR on ``block_table``'s device; ``kv_indices`` has S * B slots.
-    """
-    num_segments, num_cols = block_table.shape
-    device = block_table.device
-    pages = (kv_lens.to(torch.int32) + page_size - 1) // page_size
-    pages = pages.clamp(max=num_cols)
-    kv_indptr = torch.zeros(num_segments + 1, dtype=torch.int32, device=device)
-    torch.cumsum(pages, 0, out=kv_indptr[1:])
-    cols = torch.arange(num_cols, dtype=torch.int32, device=device)
-    live = cols[None, :] < pages[:, None]  # [S, B]
-    # Live slot (s, c) goes to kv_indptr[s] + c; dead slots are dumped in a
-    # spare slot past the end and dropped.
-    dest = torch.where(live, kv_indptr[:-1, None] + cols[None, :],
-                       num_segments * num_cols)
-    kv_indices = torch.zeros(num_segments * num_cols + 1, dtype=torch.int32,
-                             device=device)
-    kv_indices.scatter_(0, dest.reshape(-1).long(),
-                        block_table.to(torch.int32).reshape(-1))
-    return PagedKVCSR(kv_indptr=kv_indptr,
-                      kv_indices=kv_indices[: num_segments * num_cols],
-                      kv_lens=kv_lens.to(torch.int32))
-
-
-def token_empty_mask(
-    query_start_loc: torch.Tensor, kv_lens: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
-    """Per query token: True where its segment has no KV or it is padding.
-
-    Args:
-        query_start_loc: int32 [S + 1] ragged query offsets of the segments.
-        kv_lens: int32 [S] KV tokens of each segment.
-        num_tokens: T, query rows of the output (may exceed
-            ``query_start_loc[-1]``: the extra rows are padding).
-
-    Returns:
-        bool [T].
-    """
-    device = kv_lens.device
-    tokens = torch.arange(num_tokens, dtype=torch.int32, device=device)
-    seg = torch.searchsorted(query_start_loc[1:].contiguous(), tokens,
-                             right=True, out_int32=True)
-    is_real = seg < kv_lens.shape[0]
-    seg = seg.clamp(max=max(kv_lens.shape[0] - 1, 0))
-    has_kv = kv_lens[seg] > 0 if kv_lens.numel() else torch.zeros_like(is_real)
-    return ~(is_real & has_kv)
 
 
 @dataclass
@@ -160,6 +81,27 @@ class PrefixTailPlan:
     @property
     def num_segments(self) -> int:
         return self.kv_lens.shape[0]
+
+
+@dataclass
+class TailRows:
+    """Per-row inputs of the tail kernel, fixed by ``plan_prefix_tail`` for
+    every ``run`` of the forward (views of the caller's row metadata and of
+    the adapter's persistent prefix buffer, so a captured graph reads each
+    later plan's values).
+
+    Attributes:
+        block_table: int32 [>= T, B] local block table of every query row.
+        row_lens: int32 [>= T] exact local KV tokens of every row (0 on
+            empty and padding rows).
+        prefix_lens: int32 [>= T] local KV tokens of the row's FA3 segment
+            (``PrefixTailPlan.row_prefix`` on the device); the tail is
+            ``[prefix_lens, row_lens)``.
+    """
+
+    block_table: torch.Tensor
+    row_lens: torch.Tensor
+    prefix_lens: torch.Tensor
 
 
 def plan_prefix_tail_host(
@@ -312,10 +254,7 @@ class FlashInferSm90MLA:
         self.kv_lora_rank = kv_lora_rank
         self.rope_dim = rope_dim
         self.num_tokens = 0
-        self.token_empty: torch.Tensor | None = None
-        self.empty_rows: torch.Tensor | None = None
-        self.csr: PagedKVCSR | None = None
-        self.tail: tuple | None = None
+        self.tail: TailRows | None = None
         self._fixed_capacity = max_rows is not None and max_cols is not None
         self._kv_indices: torch.Tensor | None = None
         self._row_prefix: torch.Tensor | None = None
@@ -364,8 +303,9 @@ class FlashInferSm90MLA:
         return wrapper
 
     # ---------------------------------------------------------------- plans
-    def _plan_fa3(self, qo_indptr, kv_indptr, kv_indices, kv_lens, *,
-                  causal: bool) -> None:
+    def _plan_fa3(self, qo_indptr, kv_indptr, kv_indices, kv_lens) -> None:
+        """Non-causal FA3 plan of the segments (host CSR offsets and lengths,
+        device page indices)."""
         from flashinfer.mla import MLAPlanMetadata
 
         self._wrapper.plan(
@@ -379,7 +319,7 @@ class FlashInferSm90MLA:
             head_dim_ckv=self.kv_lora_rank,
             head_dim_kpe=self.rope_dim,
             page_size=self.page_size,
-            causal=causal,
+            causal=False,
             sm_scale=self.sm_scale,
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
@@ -421,93 +361,10 @@ class FlashInferSm90MLA:
         self._row_prefix[:num_rows].copy_(_to_device(plan.row_prefix, device))
         self._wrapper = self._wrapper_for(num_segs)
         self._plan_fa3(plan.qo_indptr, plan.kv_indptr, self._kv_indices[:spare],
-                       plan.kv_lens, causal=False)
+                       plan.kv_lens)
         self.num_tokens = num_rows
-        self.tail = (row_block_table, row_lens, self._row_prefix)
-        self.csr = None
-
-    def plan_causal_prefix(self, flat: FlatDecode,
-                           query_start_loc: torch.Tensor) -> None:
-        """Eager convenience: ``plan_prefix_tail`` with every request's
-        prefix at its first token's exact local bound, read back from the
-        device (a sync; the backend plans from host data instead).
-
-        Under DCP a request's per-token local bounds ``l_0 <= .. <= l_{n-1}``
-        step by 0 or 1, so every token sees its request's first ``l_0`` local
-        keys: one segment per request reads the KV once and the tail kernel
-        adds each token's ``l_t - l_0 <= n - 1`` keys. Non-causal rows have
-        no tails.
-
-        Args:
-            flat: FlatDecode (N rows) of this rank.
-            query_start_loc: int32 [R + 1] request query offsets ``flat``
-                was built from.
-        """
-        qsl = query_start_loc.cpu()
-        row_lens = flat.seq_lens.cpu()
-        first = qsl[:-1].clamp(max=max(flat.num_rows - 1, 0)).long()
-        prefix = row_lens[first] if flat.num_rows else torch.zeros_like(first)
-        req_table = flat.block_table[first.to(flat.block_table.device)]
-        plan = plan_prefix_tail_host(qsl, prefix, num_rows=flat.num_rows,
-                                     page_size=self.page_size)
-        self.plan_prefix_tail(plan, req_table, flat.seq_lens, flat.block_table)
-
-    def _plan_segments(self, qo_indptr: torch.Tensor, csr: PagedKVCSR, *,
-                       causal: bool, num_tokens: int,
-                       token_empty: torch.Tensor) -> None:
-        """Plan given segments; rows past the last one get a KV-less segment
-        (FlashInfer >= 0.7.4 runs only the rows it planned)."""
-        self._wrapper = self._eager_wrapper
-        qo_host = qo_indptr.cpu().to(torch.int32)
-        kv_indptr, kv_lens = csr.kv_indptr, csr.kv_lens
-        if int(qo_host[-1]) < num_tokens:
-            qo_host = torch.cat([qo_host, qo_host.new_tensor([num_tokens])])
-            kv_indptr = torch.cat([kv_indptr, kv_indptr[-1:]])
-            kv_lens = torch.cat([kv_lens, kv_lens.new_zeros(1)])
-        self._plan_fa3(qo_host, kv_indptr.cpu(), csr.kv_indices, kv_lens.cpu(),
-                       causal=causal)
-        self.csr = csr
-        self.num_tokens = num_tokens
-        self.token_empty = token_empty
-        self.empty_rows = torch.nonzero(token_empty).flatten()
-        self.tail = None
-
-    def plan_flat(self, flat: FlatDecode) -> None:
-        """Plan one non-causal segment per flattened row (N rows, N tokens)."""
-        csr = build_paged_kv_csr(flat.seq_lens, flat.block_table, self.page_size)
-        self._plan_segments(flat.query_start_loc, csr, causal=False,
-                            num_tokens=flat.num_rows, token_empty=flat.empty)
-
-    def plan_grouped(self, grouped, num_tokens: int) -> None:
-        """Plan one non-causal segment per row group.
-
-        Args:
-            grouped: ``triton_dcp_metadata.GroupedDecode`` (G_max groups);
-                ``num_groups`` is read on the host (a sync).
-            num_tokens: T, query rows of ``run``'s input (the flat row count).
-        """
-        num_groups = int(grouped.num_groups[0])
-        groups = grouped.slice(num_groups)
-        csr = build_paged_kv_csr(groups.seq_lens, groups.block_table,
-                                 self.page_size)
-        empty = token_empty_mask(groups.query_start_loc, groups.seq_lens,
-                                 num_tokens)
-        self._plan_segments(groups.query_start_loc, csr, causal=False,
-                            num_tokens=num_tokens, token_empty=empty)
-
-    def plan_requests(self, query_start_loc: torch.Tensor, kv_lens: torch.Tensor,
-                      block_table: torch.Tensor, *, causal: bool) -> None:
-        """Plan FlashInfer's own multi-token decode, one segment per request.
-
-        With ``causal`` the queries of a request are bottom-right aligned on
-        its KV (FlashInfer's convention), which is the no-DCP speculative
-        verify; used as the baseline in benchmarks.
-        """
-        csr = build_paged_kv_csr(kv_lens, block_table, self.page_size)
-        num_tokens = int(query_start_loc[-1])
-        empty = token_empty_mask(query_start_loc, kv_lens, num_tokens)
-        self._plan_segments(query_start_loc, csr, causal=causal,
-                            num_tokens=num_tokens, token_empty=empty)
+        self.tail = TailRows(block_table=row_block_table, row_lens=row_lens,
+                             prefix_lens=self._row_prefix)
 
     # ------------------------------------------------------------------ run
     def run(
@@ -517,24 +374,24 @@ class FlashInferSm90MLA:
         *,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
-        mask_empty: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of the planned rows for one layer (no host sync).
+
+        FA3 writes every row's prefix partial, then ``tail_merge`` adds the
+        row's tail keys, converts the LSE to natural log and masks rows with
+        no local KV (padding included): out 0, lse -inf.
 
         Args:
             q: [T, H, Dv + Dr] queries (absorbed latent part, then rope part);
                 T must be the planned row count.
             kv_cache: [P, page, Dv + Dr] paged latent cache of this rank.
             out, lse: optional [T, H, Dv] / float32 [T, H] contiguous outputs.
-            mask_empty: zero ``out`` and set ``lse = -inf`` on rows with no
-                local KV (and padding rows); the prefix+tail plan always does.
 
         Returns:
             ``(out [T, H, Dv] in q's dtype, lse [T, H] float32, natural log)``.
         """
         num_tokens = q.shape[0]
-        if num_tokens != self.num_tokens or (self.tail is None
-                                             and self.token_empty is None):
+        if self.tail is None or num_tokens != self.num_tokens:
             raise ValueError(
                 f"FA3 MLA run of {num_tokens} rows, but the last plan was for "
                 f"{self.num_tokens}: plan every forward's rows before running")
@@ -549,14 +406,8 @@ class FlashInferSm90MLA:
                               device=q.device)
         self._wrapper.run(query=q, kv_cache=kv_cache, out=out, lse=lse,
                           return_lse=True)
-        if self.tail is not None:
-            row_table, row_lens, row_prefix = self.tail
-            tail_merge(q, kv_cache, row_table, row_lens[:num_tokens],
-                       row_prefix[:num_tokens], out, lse,
-                       sm_scale=self.sm_scale, lse_in_base2=True)
-            return out, lse
-        lse.mul_(LN2)  # FlashInfer's MLA LSE is base 2
-        if mask_empty and self.empty_rows.numel():
-            out.index_fill_(0, self.empty_rows, 0.0)
-            lse.index_fill_(0, self.empty_rows, float("-inf"))
+        tail = self.tail
+        tail_merge(q, kv_cache, tail.block_table, tail.row_lens[:num_tokens],
+                   tail.prefix_lens[:num_tokens], out, lse,
+                   sm_scale=self.sm_scale, lse_in_base2=True)
         return out, lse
