@@ -7,9 +7,10 @@ Variants (all CUDA-graph replays, causal verify, persistent output buffers):
   upstream  the per-layer pattern: every MLA layer re-expands the batch
             (repeat_interleave of the block table and lengths, local bounds,
             empty mask); timed as L consecutive expansions for L = 24 and 61.
-For reference it also times one FlashInfer sm90 MLA layer decode at batch 64,
-ctx 32K (per rank, W = 8 and W = 1) when flashinfer imports, and reports the
-metadata build as a fraction of it.
+For reference it also times one layer of the backend's sm90 decode (FlashInfer
+FA3 prefix segments + Triton tails) at batch 64, ctx 32K (per rank, W = 8 and
+W = 1) when flashinfer imports, and reports the metadata build as a fraction
+of it.
 
 Example: python benchmarks/metadata.py --out-dir benchmarks/results
 """
@@ -31,7 +32,7 @@ from _common import environment, print_table, time_ms, write_csv  # noqa: E402
 from vllm.v1.attention.ops.dcp_decode import (  # noqa: E402
     alloc_flat_decode, build_flat_decode, dcp_local_seq_lens)
 from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
-    alloc_grouped_decode, build_flat_decode_triton, build_grouped_decode)
+    build_flat_decode_triton)
 
 
 def upstream_expand(seq_lens, qsl, block_table, *, world_size, rank,
@@ -49,8 +50,10 @@ def upstream_expand(seq_lens, qsl, block_table, *, world_size, rank,
     return table, local, empty
 
 
-def layer_decode_ms(batch, ctx, heads, world, q_len, page=64, grouped=False):
-    """One FlashInfer sm90 layer on rank 0's local KV (flat or grouped rows)."""
+def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
+    """One layer of the backend's sm90 decode (FA3 prefix segments + Triton
+    tails, causal) on rank 0's local KV, CUDA-graph replay."""
+    from fa3_native import plan_prefix_tail_from_rows
     from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
     gen = torch.Generator().manual_seed(0)
     local = int(dcp_local_seq_lens(torch.tensor(ctx), world, 0, 1))
@@ -67,17 +70,12 @@ def layer_decode_ms(batch, ctx, heads, world, q_len, page=64, grouped=False):
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=page,
                             sm_scale=1 / math.sqrt(192))
-    if grouped:
-        mla.plan_grouped(build_grouped_decode(flat, qsl, table),
-                         num_tokens=batch * q_len)
-    else:
-        mla.plan_flat(flat)
+    plan_prefix_tail_from_rows(mla, flat, qsl)
     q = torch.randn(batch * q_len, heads, 576, device="cuda",
                     dtype=torch.bfloat16)
     out = q.new_empty(batch * q_len, heads, 512)
     lse = torch.empty(batch * q_len, heads, device="cuda")
-    ms = time_ms(lambda: mla._wrapper.run(query=q, kv_cache=cache, out=out,
-                                          lse=lse, return_lse=True))
+    ms = time_ms(lambda: mla.run(q, cache, out=out, lse=lse))
     del cache
     return ms
 
@@ -113,19 +111,11 @@ def main():
             seq, qsl, table, **kw, causal=True, num_rows=n, out=out_t))
         t_torch = time_ms(lambda: build_flat_decode(
             seq, qsl, table, **kw, causal=True, num_rows=n, out=out_p))
-        out_g = alloc_grouped_decode(n, cols, "cuda")
-
-        def flat_and_grouped():
-            build_flat_decode_triton(seq, qsl, table, **kw, causal=True,
-                                     num_rows=n, out=out_t)
-            build_grouped_decode(out_t.slice(n), qsl, table, out=out_g)
-        t_grouped = time_ms(flat_and_grouped)
         # Sanity: both produced the same rows.
         assert torch.equal(out_t.seq_lens, out_p.seq_lens)
         assert torch.equal(out_t.block_table, out_p.block_table)
         row = dict(batch=batch, q_len=q_len, W=world, cols=cols, rows=n,
-                   triton_us=t_triton * 1e3, torch_us=t_torch * 1e3,
-                   triton_grouped_us=t_grouped * 1e3)
+                   triton_us=t_triton * 1e3, torch_us=t_torch * 1e3)
         for layers in args.layers:
             def per_layer(layers=layers):
                 for _ in range(layers):
@@ -136,8 +126,7 @@ def main():
         rows.append(row)
     os.makedirs(args.out_dir, exist_ok=True)
     write_csv(os.path.join(args.out_dir, "metadata.csv"), rows)
-    cols = ["batch", "q_len", "W", "rows", "triton_us", "triton_grouped_us",
-            "torch_us",
+    cols = ["batch", "q_len", "W", "rows", "triton_us", "torch_us",
             "torch_over_triton"] + [c for L in args.layers
                                     for c in (f"upstream_x{L}_us", f"ratio_x{L}")]
     print_table(rows, cols)
@@ -148,16 +137,13 @@ def main():
         for heads, world in itertools.product([16, 96], [8, 1]):
             meta = next((r for r in rows if r["batch"] == 64 and r["q_len"] == 4
                          and r["W"] == world), None)
-            for grouped in (False, True):
-                ms = layer_decode_ms(64, 32768, heads, world, 4, page=args.page,
-                                     grouped=grouped)
-                build = meta["triton_grouped_us" if grouped else "triton_us"]
-                layer_rows.append(dict(
-                    heads=heads, W=world, rows="grouped" if grouped else "flat",
-                    layer_us=ms * 1e3, build_us=build,
-                    pct_of_layer=100 * build / (ms * 1e3)))
+            ms = layer_decode_ms(64, 32768, heads, world, 4, page=args.page)
+            build = meta["triton_us"]
+            layer_rows.append(dict(heads=heads, W=world, layer_us=ms * 1e3,
+                                   build_us=build,
+                                   pct_of_layer=100 * build / (ms * 1e3)))
         print("\nmetadata build (batch 64, q_len 4) vs one layer decode (ctx 32K, rank 0):")
-        print_table(layer_rows, ["heads", "W", "rows", "layer_us", "build_us",
+        print_table(layer_rows, ["heads", "W", "layer_us", "build_us",
                                  "pct_of_layer"])
         write_csv(os.path.join(args.out_dir, "metadata_vs_layer.csv"), layer_rows)
     except Exception as e:  # noqa: BLE001 - no flashinfer / no GPU

@@ -1,44 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fused Triton builders for DCP multi-token decode metadata.
+"""Fused Triton builder of the DCP multi-token decode rows.
 
 ``build_flat_decode_triton`` fills every field of a
 :class:`~vllm.v1.attention.ops.dcp_decode.FlatDecode` in ONE kernel launch,
 into persistent buffers, with no host sync: it is bit-equal to the torch
 reference ``build_flat_decode`` and can be captured in a CUDA graph.
 
-``build_grouped_decode`` / ``build_grouped_decode_reference`` build the
-*grouped rows* view: under DCP a request's per-token local bounds are
-non-decreasing and step by 0 or 1, so consecutive query tokens of one request
-with the same local bound can share one non-causal attention row (a DSpark
-draft block, where every token sees the whole block, is always one row).
-
 Only ``vllm.v1.attention.ops.dcp_decode`` (pure torch) is imported from vllm.
 
 Shapes: R requests, N flattened rows (query tokens, padding included),
-B block-table columns, G row groups (G <= N).
+B block-table columns.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm.v1.attention.ops.dcp_decode import (
-    FlatDecode,
-    alloc_flat_decode,
-    build_flat_decode,
-)
+from vllm.v1.attention.ops.dcp_decode import FlatDecode, alloc_flat_decode
 
-__all__ = [
-    "GroupedDecode",
-    "alloc_grouped_decode",
-    "build_flat_decode_triton",
-    "build_grouped_decode",
-    "build_grouped_decode_reference",
-]
+__all__ = ["build_flat_decode_triton"]
 
 
 @triton.jit
@@ -200,232 +182,3 @@ def build_flat_decode_triton(
         CAUSAL=causal, BLOCK_R=block_r, BLOCK_C=block_c,
     )
     return flat
-
-
-# --------------------------------------------------------------------------
-# Grouped rows
-# --------------------------------------------------------------------------
-
-
-@dataclass
-class GroupedDecode:
-    """Per-rank decode metadata, one non-causal row per *group* of tokens.
-
-    A group is a maximal run of consecutive query tokens of one request whose
-    local bound on this rank (``FlatDecode.seq_lens``) is equal. Groups keep
-    token order, so group ``g`` covers flattened query tokens
-    ``query_start_loc[g] : query_start_loc[g + 1]`` and an attention kernel
-    fed ``query_start_loc`` as its ragged query offsets writes its output
-    straight into the per-token layout. Every token of a group attends,
-    non-causally, to the first ``seq_lens[g]`` local KV tokens: on this rank
-    that is exactly what each token of the group may see.
-
-    Buffers are sized for G_max = N groups (every token its own group, the
-    worst case); groups at or beyond ``num_groups`` are padding: zero query
-    tokens (``query_start_loc`` stays at the real token count), seq len 0,
-    empty, ``row_to_req`` / ``block_table`` of the last request (clamped like
-    the flat path).
-
-    Attributes:
-        seq_lens: int32 [G], local KV tokens of the group.
-        query_start_loc: int32 [G + 1], first flattened query token of each
-            group (the last entry: number of real tokens).
-        block_table: int32 [G, B], the group's request's block table.
-        row_to_req: int32 [G], request of each group.
-        empty: bool [G], True where the group has no local KV (or is padding).
-        num_groups: int32 [1], number of real groups (on device).
-    """
-
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    block_table: torch.Tensor
-    row_to_req: torch.Tensor
-    empty: torch.Tensor
-    num_groups: torch.Tensor
-
-    def slice(self, num_groups: int) -> "GroupedDecode":
-        """Views of the first ``num_groups`` groups."""
-        return GroupedDecode(
-            seq_lens=self.seq_lens[:num_groups],
-            query_start_loc=self.query_start_loc[: num_groups + 1],
-            block_table=self.block_table[:num_groups],
-            row_to_req=self.row_to_req[:num_groups],
-            empty=self.empty[:num_groups],
-            num_groups=self.num_groups,
-        )
-
-
-def alloc_grouped_decode(
-    max_rows: int, max_blocks: int, device: torch.device | str = "cpu"
-) -> GroupedDecode:
-    """Persistent buffers for up to ``max_rows`` groups."""
-    i32 = dict(dtype=torch.int32, device=device)
-    return GroupedDecode(
-        seq_lens=torch.zeros(max_rows, **i32),
-        query_start_loc=torch.zeros(max_rows + 1, **i32),
-        block_table=torch.zeros(max_rows, max_blocks, **i32),
-        row_to_req=torch.zeros(max_rows, **i32),
-        empty=torch.ones(max_rows, dtype=torch.bool, device=device),
-        num_groups=torch.zeros(1, **i32),
-    )
-
-
-def build_grouped_decode_reference(
-    flat: FlatDecode, query_start_loc: torch.Tensor, block_table: torch.Tensor
-) -> GroupedDecode:
-    """Torch reference: group the rows of a ``FlatDecode`` (N rows).
-
-    Args:
-        flat: per-token metadata from ``build_flat_decode`` (N rows; rows at
-            or beyond ``query_start_loc[-1]`` are padding and join no group).
-        query_start_loc: int32 [R + 1], the request query offsets ``flat``
-            was built from.
-        block_table: int32 [R, B], the table ``flat`` was built from.
-
-    Returns:
-        GroupedDecode with G_max = N (see its docstring); host syncs.
-    """
-    num_rows = flat.num_rows
-    device = flat.seq_lens.device
-    num_reqs, num_cols = block_table.shape
-    out = alloc_grouped_decode(num_rows, num_cols, device)
-    num_tokens = min(int(query_start_loc[-1]), num_rows)
-    rows = torch.arange(num_rows, device=device)
-    real = rows < num_tokens
-    prev_req = torch.roll(flat.row_to_req, 1)
-    prev_len = torch.roll(flat.seq_lens, 1)
-    starts = real & ((rows == 0) | (prev_req != flat.row_to_req)
-                     | (prev_len != flat.seq_lens))
-    start_rows = rows[starts]
-    num_groups = start_rows.numel()
-    out.num_groups.fill_(num_groups)
-    out.seq_lens.zero_()
-    out.seq_lens[:num_groups] = flat.seq_lens[start_rows]
-    out.row_to_req.fill_(max(num_reqs - 1, 0))
-    out.row_to_req[:num_groups] = flat.row_to_req[start_rows]
-    out.query_start_loc.fill_(num_tokens)
-    out.query_start_loc[:num_groups] = start_rows.to(torch.int32)
-    torch.eq(out.seq_lens, 0, out=out.empty)
-    if num_reqs > 0:
-        out.block_table[:, :num_cols] = block_table[out.row_to_req.long()]
-    else:
-        out.block_table.zero_()
-    return out
-
-
-@triton.jit
-def _group_scan_kernel(
-    flat_seq_lens_ptr, flat_req_ptr, qsl_ptr,
-    out_seq_lens_ptr, out_qsl_ptr, out_req_ptr, out_empty_ptr,
-    out_num_groups_ptr,
-    num_rows, num_reqs, last_req,
-    BLOCK: tl.constexpr,
-):
-    """One program: scan the N rows in blocks, carrying the group count."""
-    # Real tokens come first, padding rows trail.
-    num_tokens = tl.minimum(tl.load(qsl_ptr + num_reqs), num_rows)
-    carry = tl.zeros([1], dtype=tl.int32)
-    for base in range(0, num_rows, BLOCK):
-        rows = base + tl.arange(0, BLOCK)
-        ok = rows < num_rows
-        local = tl.load(flat_seq_lens_ptr + rows, mask=ok, other=0)
-        req = tl.load(flat_req_ptr + rows, mask=ok, other=0)
-        prev_ok = ok & (rows > 0)
-        prev_local = tl.load(flat_seq_lens_ptr + rows - 1, mask=prev_ok, other=0)
-        prev_req = tl.load(flat_req_ptr + rows - 1, mask=prev_ok, other=0)
-        real = rows < num_tokens
-        start = real & ((rows == 0) | (prev_req != req) | (prev_local != local))
-        start_i = start.to(tl.int32)
-        group = carry + tl.cumsum(start_i, axis=0) - 1
-        tl.store(out_seq_lens_ptr + group, local, mask=start)
-        tl.store(out_req_ptr + group, req, mask=start)
-        tl.store(out_qsl_ptr + group, rows, mask=start)
-        tl.store(out_empty_ptr + group, (local == 0).to(tl.uint8), mask=start)
-        carry += tl.sum(start_i, axis=0)
-    tl.store(out_num_groups_ptr + tl.arange(0, 1), carry)
-    # Padding groups [num_groups, N) and the closing offsets.
-    for base in range(0, num_rows + 1, BLOCK):
-        g = base + tl.arange(0, BLOCK)
-        pad = (g >= carry) & (g < num_rows)
-        tl.store(out_seq_lens_ptr + g, tl.zeros_like(g), mask=pad)
-        tl.store(out_req_ptr + g, tl.zeros_like(g) + last_req, mask=pad)
-        tl.store(out_empty_ptr + g, tl.full([BLOCK], 1, tl.uint8), mask=pad)
-        tl.store(out_qsl_ptr + g, tl.zeros_like(g) + num_tokens,
-                 mask=(g >= carry) & (g <= num_rows))
-
-
-@triton.jit
-def _gather_rows_kernel(
-    src_ptr, src_stride, idx_ptr, dst_ptr, dst_stride,
-    num_rows, num_cols, num_src,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_ok = rows < num_rows
-    idx = tl.load(idx_ptr + rows, mask=row_ok, other=0)
-    mask = row_ok[:, None] & (cols < num_cols)[None, :]
-    tile = tl.load(src_ptr + idx.to(tl.int64)[:, None] * src_stride + cols[None, :],
-                   mask=mask & (idx < num_src)[:, None], other=0)
-    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * dst_stride + cols[None, :],
-             tile, mask=mask)
-
-
-def build_grouped_decode(
-    flat: FlatDecode,
-    query_start_loc: torch.Tensor,
-    block_table: torch.Tensor,
-    *,
-    out: GroupedDecode | None = None,
-) -> GroupedDecode:
-    """Triton twin of ``build_grouped_decode_reference`` (two launches).
-
-    No host sync; the group count stays on the device (``num_groups``).
-
-    Args:
-        flat: FlatDecode with N rows (from either flat builder), on CUDA.
-        query_start_loc: int32 [R + 1] request query offsets of ``flat``.
-        block_table: int32 [R, B] request block tables (columns contiguous).
-        out: buffers from ``alloc_grouped_decode`` with >= N rows, >= B cols.
-
-    Returns:
-        GroupedDecode view of ``out`` with G_max = N.
-    """
-    num_rows = flat.num_rows
-    num_reqs, num_cols = block_table.shape
-    device = flat.seq_lens.device
-    if out is None:
-        out = alloc_grouped_decode(num_rows, num_cols, device)
-    grouped = out.slice(num_rows)
-    _group_scan_kernel[(1,)](
-        flat.seq_lens, flat.row_to_req, query_start_loc,
-        grouped.seq_lens, grouped.query_start_loc, grouped.row_to_req,
-        grouped.empty.view(torch.uint8), grouped.num_groups,
-        num_rows, num_reqs, max(num_reqs - 1, 0),
-        BLOCK=1024,
-    )
-    if num_reqs == 0:
-        grouped.block_table.zero_()
-    elif num_rows > 0:
-        block_r, block_c = _tile_shape(num_cols)
-        grid = (triton.cdiv(num_rows, block_r), max(triton.cdiv(num_cols, block_c), 1))
-        _gather_rows_kernel[grid](
-            block_table, block_table.stride(0), grouped.row_to_req,
-            grouped.block_table, grouped.block_table.stride(0),
-            num_rows, num_cols, num_reqs, BLOCK_R=block_r, BLOCK_C=block_c,
-        )
-    return grouped
-
-
-def _self_check() -> None:  # pragma: no cover - manual smoke test
-    dev = "cuda"
-    seq = torch.tensor([10, 3, 40], dtype=torch.int32, device=dev)
-    qsl = torch.tensor([0, 2, 2, 6], dtype=torch.int32, device=dev)
-    bt = torch.randint(1, 100, (3, 5), dtype=torch.int32, device=dev)
-    a = build_flat_decode(seq, qsl, bt, world_size=2, rank=1, interleave=1,
-                          causal=True, num_rows=8)
-    b = build_flat_decode_triton(seq, qsl, bt, world_size=2, rank=1,
-                                 interleave=1, causal=True, num_rows=8)
-    for name in ("seq_lens", "query_start_loc", "block_table", "row_to_req",
-                 "global_seq_lens", "empty"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
