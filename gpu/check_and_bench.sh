@@ -21,9 +21,9 @@ if [ "$MODE" != bench ]; then  # all, check, decode
   step pytest
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_dcp_metadata.py \
     tests/test_flashinfer_sm90_adapter.py 2>&1 | tail -15
-  step check_flashinfer
-  timeout 170 python3 gpu/check_flashinfer.py --csv $RES/check_flashinfer.csv 2>&1 \
-    | grep -v Warning
+  step test_flashinfer_sm90_dcp
+  FA3_DCP_CSV=$RES/check_flashinfer.csv timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    -W ignore tests/gpu/test_flashinfer_sm90_dcp.py 2>&1 | tail -15
   echo "check rc=${PIPESTATUS[0]}"
 fi
 if [ "$MODE" = decode ]; then

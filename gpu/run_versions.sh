@@ -3,8 +3,9 @@
 # $WHL: v<version>.zip without the cutlass/cccl/spdlog headers, common.zip with
 # them, the apache-tvm-ffi wheel), then run the CUDA adapter tests, the DCP
 # check against float32 full attention (peaky + flat LSE-sensitivity passes)
-# and the CUDA-graph replay check. PLANT=1 adds the planted runs (off-by-one
-# bound, FlashInfer's non-graph wrapper under a graph), which must fail.
+# and the CUDA-graph replay check (the DCP test also asserts that a planted
+# off-by-one bound is caught). PLANT=1 adds the planted graph run (FlashInfer's
+# non-graph wrapper under a graph), which must fail.
 # Usage (repo root, on the device): WHL=path bash gpu/run_versions.sh 0.7.4 0.7.2.post1
 set -u
 OUT=${OUT:-.out}; mkdir -p "$OUT"; RES=/tmp/dcp_results; rm -rf $RES; mkdir -p $RES
@@ -27,9 +28,9 @@ for v in "$@"; do
   step "$v pytest"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_flashinfer_sm90_adapter.py \
     tests/test_triton_dcp_metadata.py 2>&1 | tail -6
-  step "$v check_flashinfer"
-  timeout 240 python3 gpu/check_flashinfer.py --csv $RES/check_$v.csv 2>&1 | grep -v -i warn \
-    | tee $RES/check_$v.txt | tail -4
+  step "$v test_flashinfer_sm90_dcp"
+  FA3_DCP_CSV=$RES/check_$v.csv timeout 240 python3 -m pytest -q -p no:cacheprovider -W ignore \
+    tests/gpu/test_flashinfer_sm90_dcp.py 2>&1 | tee $RES/check_$v.txt | tail -4
   echo "check rc=${PIPESTATUS[0]}"
   step "$v check_graph"
   timeout 200 python3 gpu/check_graph.py 2>&1 | grep -v -i warn | tee $RES/graph_$v.txt
@@ -37,11 +38,6 @@ for v in "$@"; do
 done
 if [ "${PLANT:-0}" = 1 ] && [ -n "$FIRST" ]; then
   export PYTHONPATH=/tmp/fi_$FIRST:. FLASHINFER_WORKSPACE_BASE=/tmp/fiws_$FIRST
-  step "planted off-by-one ($FIRST)"
-  timeout 150 python3 gpu/check_flashinfer.py --heads 16 --world 2 4 --interleave 1 16 \
-    --plant-off-by-one --csv $RES/check_planted.csv 2>&1 | grep -v -i warn \
-    | tee $RES/check_planted.txt | tail -28
-  echo "planted check rc=${PIPESTATUS[0]} (must be 1)"
   step "planted non-graph FlashInfer wrapper ($FIRST)"
   timeout 100 python3 gpu/check_graph.py --heads 16 --world 2 --batches 3 \
     --plant-plain-wrapper 2>&1 | grep -v -i warn | tee $RES/graph_planted.txt
