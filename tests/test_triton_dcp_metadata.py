@@ -7,6 +7,8 @@ same kernel under Triton's interpreter on every CI run.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -104,13 +106,14 @@ def test_local_bounds_step_by_0_or_1_within_a_request(seed):
     each tail holds at most q_len - 1 keys."""
     gen = torch.Generator().manual_seed(1000 + seed)
     seq_lens, qsl, table = random_batch(gen)
-    world, interleave = [(2, 1), (4, 16), (8, 1), (1, 1)][seed % 4]
-    causal = seed % 2 == 0
+    world, interleave = [(2, 1), (4, 16), (8, 1), (1, 1), (2, 3)][seed % 5]
     num_rows = int(qsl[-1]) + 3
-    flat = dcp.build_flat_decode(seq_lens, qsl, table, world_size=world,
-                                 rank=seed % world, interleave=interleave,
-                                 causal=causal, num_rows=num_rows)
-    lens = flat.seq_lens.tolist()
-    for start, end in zip(qsl[:-1].tolist(), qsl[1:].tolist()):
-        steps = [b - a for a, b in zip(lens[start:end], lens[start + 1:end])]
-        assert all(s in ((0, 1) if causal else (0,)) for s in steps), steps
+    for rank, causal in itertools.product(range(world), (True, False)):
+        flat = dcp.build_flat_decode(seq_lens, qsl, table, world_size=world,
+                                     rank=rank, interleave=interleave,
+                                     causal=causal, num_rows=num_rows)
+        lens = flat.seq_lens.tolist()
+        for start, end in zip(qsl[:-1].tolist(), qsl[1:].tolist()):
+            steps = [b - a for a, b in zip(lens[start:end], lens[start + 1:end])]
+            assert all(s in ((0, 1) if causal else (0,)) for s in steps), (
+                rank, causal, steps)
