@@ -33,7 +33,8 @@ import sys
 import torch
 
 from vllm.v1.attention.ops.dcp_decode import (
-    build_flat_decode, merge_partials, mla_decode_reference, shard_paged_kv)
+    DCPLayout, build_flat_decode, merge_partials, mla_decode_reference,
+    shard_paged_kv)
 from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
 from vllm.v1.attention.ops.triton_dcp_metadata import (
     build_flat_decode_triton, build_grouped_decode)
@@ -107,23 +108,23 @@ def run_case(heads, world, inter, causal, qpass, args, ws, scale, dtype, dev,
         q = q * args.flat_q_scale
     q = q.to(dtype)
     qd = q.to(dev)
-    full = build_flat_decode(seq, qsl, table, world_size=1, rank=0,
-                             interleave=1, causal=causal, num_rows=rows)
+    full = build_flat_decode(seq, qsl, table, layout=DCPLayout(), causal=causal,
+                             num_rows=rows)
     ref_out, ref_lse = mla_decode_reference(
         qd.float(), cache.to(dev).float(), full.block_table.to(dev),
         full.seq_lens.to(dev), kv_lora_rank=DV, scale=scale)
     delta = min_key_weight(qd, cache.to(dev), table.to(dev), seq, qsl, full,
                            ref_lse, scale)
-    shards = shard_paged_kv(cache, table, seq, world_size=world,
-                            interleave=inter, generator=gen)
+    shards = shard_paged_kv(cache, table, seq,
+                            layout=DCPLayout(world, interleave=inter), generator=gen)
     ok = True
     for mode in ("flat", "grouped", "prefix"):
         outs, lses = [], []
         for rank, (lc, lt) in enumerate(shards):
             lt = lt.to(dev)
             flat = build_flat_decode_triton(
-                seq.to(dev), qsl.to(dev), lt, world_size=world, rank=rank,
-                interleave=inter, causal=causal, num_rows=rows)
+                seq.to(dev), qsl.to(dev), lt, layout=DCPLayout(world, rank, inter),
+                causal=causal, num_rows=rows)
             if args.plant_off_by_one and causal:
                 plant_off_by_one(flat, rows)
             mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=args.page,

@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
 from vllm.v1.attention.backends.mla.dcp_plugin import register
 from vllm.v1.attention.ops import dcp_decode
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
 NUM_HEADS = 4
 
@@ -133,8 +134,9 @@ def test_forward_mqa_and_combine_give_full_attention(tmp_path, world_size,
                                 num_heads=NUM_HEADS, seed=world_size + interleave)
     ref_out, ref_lse = full_attention(batch, causal=causal)
     shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens, world_size=world_size,
-                                       interleave=interleave)
+                                       batch.seq_lens,
+                                       layout=DCPLayout(world_size,
+                                                        interleave=interleave))
     outs, lses = [], []
     for rank, (cache, table) in enumerate(shards):
         with dcp_context(tmp_path, world_size, rank, interleave):
@@ -208,7 +210,6 @@ def test_slot_mapping_owner_and_local_slot(world_size, interleave):
     """vLLM's own slot-mapping entry point on CPU, with the plugin's kernel:
     only the owner writes, at the slot of its local index."""
     from vllm.platforms import current_platform
-    from vllm.v1.attention.ops.dcp_decode import dcp_slot_owner
     from vllm.v1.worker.block_table import _COMPUTE_SLOT_MAPPING_KERNEL
 
     current_platform.register_triton_kernel_overrides()
@@ -219,7 +220,7 @@ def test_slot_mapping_owner_and_local_slot(world_size, interleave):
     req = torch.repeat_interleave(torch.arange(4), torch.tensor(query_lens))
     table = (torch.randperm(4 * max_blocks, generator=torch.Generator().manual_seed(1))
              .view(4, max_blocks).to(torch.int32) + 1)
-    owner, local = dcp_slot_owner(positions, world_size, interleave)
+    owner, local = DCPLayout(world_size, 0, interleave).owner(positions)
     writers = torch.zeros_like(positions)
     for rank in range(world_size):
         slots = torch.full((64,), 7, dtype=torch.int64)

@@ -16,6 +16,7 @@ GROUP_FIELDS = ("seq_lens", "query_start_loc", "row_to_req", "empty",
                 "num_groups", "block_table")
 
 from vllm.v1.attention.ops import dcp_decode as dcp
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
 try:
     from vllm.v1.attention.ops import triton_dcp_metadata as tdm
@@ -61,8 +62,8 @@ def test_flat_triton_bit_equal(seed):
     rank = int(torch.randint(0, world, (), generator=gen))
     causal = seed % 2 == 0
     num_rows = int(qsl[-1]) + int(torch.randint(0, 6, (), generator=gen))
-    kw = dict(world_size=world, rank=rank, interleave=interleave,
-              causal=causal, num_rows=num_rows)
+    kw = dict(layout=DCPLayout(world, rank, interleave), causal=causal,
+              num_rows=num_rows)
     ref = dcp.build_flat_decode(seq_lens, qsl, table, **kw)
     cols = table.shape[1]
     out = _poisoned_flat(num_rows + 5, cols + 3, "cuda")
@@ -82,8 +83,7 @@ def test_flat_triton_cuda_graph_replay():
     seq_lens, qsl, table = random_batch(gen, "cuda")
     num_rows = 96
     out = _poisoned_flat(num_rows, table.shape[1], "cuda")
-    kw = dict(world_size=4, rank=1, interleave=16, causal=True,
-              num_rows=num_rows)
+    kw = dict(layout=DCPLayout(4, 1, 16), causal=True, num_rows=num_rows)
     tdm.build_flat_decode_triton(seq_lens, qsl, table, **kw, out=out)  # warm
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -118,8 +118,8 @@ def test_grouped_reference_matches_python(seed):
     seq_lens, qsl, table = random_batch(gen)
     world, interleave = [(2, 1), (4, 16), (8, 1), (1, 1)][seed % 4]
     num_rows = int(qsl[-1]) + 3
-    flat = dcp.build_flat_decode(seq_lens, qsl, table, world_size=world,
-                                 rank=seed % world, interleave=interleave,
+    flat = dcp.build_flat_decode(seq_lens, qsl, table,
+                                 layout=DCPLayout(world, seed % world, interleave),
                                  causal=seed % 2 == 0, num_rows=num_rows)
     grouped = tdm.build_grouped_decode_reference(flat, qsl, table)
     groups, num_tokens = _grouped_python(flat, qsl, table)
@@ -149,8 +149,8 @@ def test_grouped_triton_bit_equal(seed):
     world, interleave = [(2, 1), (4, 16), (8, 1), (8, 64)][seed % 4]
     num_rows = int(qsl[-1]) + seed % 4
     flat = tdm.build_flat_decode_triton(
-        seq_lens, qsl, table, world_size=world, rank=seed % world,
-        interleave=interleave, causal=seed % 2 == 0, num_rows=num_rows)
+        seq_lens, qsl, table, layout=DCPLayout(world, seed % world, interleave),
+        causal=seed % 2 == 0, num_rows=num_rows)
     ref = tdm.build_grouped_decode_reference(flat, qsl, table)
     out = tdm.alloc_grouped_decode(num_rows + 2, table.shape[1], "cuda")
     for name in ("seq_lens", "query_start_loc", "block_table", "row_to_req",

@@ -154,10 +154,11 @@ def test_every_masking_combine_of_vllms_manager_is_routed(tmp_path, comm_backend
 def test_combine_wrapped_once_per_manager():
     from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
     from vllm.v1.attention.ops import dcp_decode
+    from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
     rows = dcp_decode.build_flat_decode(
         torch.tensor([9], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
-        torch.ones(1, 1, dtype=torch.int32), world_size=2, rank=1, interleave=1,
+        torch.ones(1, 1, dtype=torch.int32), layout=DCPLayout(2, 1, 1),
         causal=True)
     impl = SimpleNamespace(dcp_world_size=2, need_to_return_lse_for_decode=True)
     manager = SimpleNamespace(combine=mock.Mock())

@@ -59,6 +59,7 @@ def _cp_slot_mapping_impl(upstream_impl):
                 KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK,
                 CP_KV_CACHE_INTERLEAVE_SIZE, PAD_ID, BLOCK_SIZE)
         from vllm.v1.attention.ops.cpu_dcp_slot_mapping import dcp_slot_mapping
+        from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
         dcp_slot_mapping(
             query_start_loc,
@@ -68,9 +69,8 @@ def _cp_slot_mapping_impl(upstream_impl):
             num_tokens=num_tokens,
             max_num_tokens=max_num_tokens,
             block_size=KV_CACHE_BLOCK_SIZE,
-            world_size=TOTAL_CP_WORLD_SIZE,
-            rank=TOTAL_CP_RANK,
-            interleave=CP_KV_CACHE_INTERLEAVE_SIZE,
+            layout=DCPLayout(TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK,
+                             CP_KV_CACHE_INTERLEAVE_SIZE),
             pad_id=PAD_ID,
         )
 

@@ -157,8 +157,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         return host_prefix_lens(
             host, query_start_loc_cpu, causal=decode.causal,
             slack=(spec.num_speculative_tokens or 0) if spec is not None else 0,
-            world_size=decode.dcp_world_size, rank=decode.dcp_rank,
-            interleave=decode.interleave)
+            layout=decode.layout)
 
     def _sm90_kernel(self, decode: DCPDecodeMetadata):
         """The group's FA3 kernel object, made on the first plan (the layers'

@@ -118,9 +118,9 @@ class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
                 seq_lens=decode.seq_lens,
                 causal_mask=decode.causal,
                 causal_seqs=decode.dcp_tot_seq_lens,
-                cp_world=decode.dcp_world_size,
-                cp_rank=decode.dcp_rank,
-                cp_interleave_size=decode.interleave,
+                cp_world=decode.layout.world_size,
+                cp_rank=decode.layout.rank,
+                cp_interleave_size=decode.layout.interleave,
             )
         else:
             rows = decode.flat
