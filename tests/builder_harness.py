@@ -85,7 +85,7 @@ def _fake_dcp_manager():
 
     class _NoCollectives(MLADCPManager):
         def __init__(self):  # no process group to talk to
-            pass
+            self.combine = mock.Mock(name="combine")
 
         def init_kv_gather(self, *args, **kwargs):
             pass

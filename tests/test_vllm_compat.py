@@ -109,7 +109,7 @@ def test_every_masking_combine_of_vllms_manager_is_routed(tmp_path, comm_backend
     """Built by vLLM itself for ``--dcp-comm-backend``; on vLLM >= 0.33 the
     a2a path merges through ``v_up_proj_combine`` and skips ``combine``."""
     from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.mla.dcp_combine import route_combine_through_rows
+    from vllm.v1.attention.backends.mla.dcp_epilogue import route_combine_through_rows
     from vllm.v1.attention.ops import dcp as dcp_ops
 
     config = make_vllm_config(tmp_path / "m", dcp=2)
@@ -151,23 +151,39 @@ def test_every_masking_combine_of_vllms_manager_is_routed(tmp_path, comm_backend
         assert collective.call_args.kwargs.get("query_start_loc") is None
 
 
-def test_combine_wrapped_once_per_manager():
-    from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
-    from vllm.v1.attention.ops import dcp_decode
-    from vllm.v1.attention.ops.dcp_decode import DCPLayout
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_combine_routed_once_per_layer_when_the_builder_is_made(tmp_path,
+                                                                world_size):
+    """vLLM makes each layer's ``dcp_manager`` with the layer, before any
+    builder; the DCP rows builder routes every layer of its group once (a
+    second builder of the group, as under DBO, wraps nothing twice), a
+    forward never; at DCP size 1 nothing is routed."""
+    from builder_harness import fake_dcp_group, register_fake_mla_layers
+    from dense_reference import KV_LORA_RANK, ROPE_DIM
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.mla.cpu_dcp_mla import CPUDCPMLAMetadataBuilder
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    rows = dcp_decode.build_flat_decode(
-        torch.tensor([9], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
-        torch.ones(1, 1, dtype=torch.int32), layout=DCPLayout(2, 1, 1),
-        causal=True)
-    impl = SimpleNamespace(dcp_world_size=2, need_to_return_lse_for_decode=True)
-    manager = SimpleNamespace(combine=mock.Mock())
-    layer = SimpleNamespace(dcp_manager=manager)
-    finish_rows_decode(impl, torch.zeros(2, 1, 4), torch.zeros(2, 1), rows, layer)
-    routed = manager.combine
-    assert routed.__wrapped__ is not None
-    finish_rows_decode(impl, torch.zeros(2, 1, 4), torch.zeros(2, 1), rows, layer)
-    assert manager.combine is routed
+    config = make_vllm_config(tmp_path / "m", dcp=world_size,
+                              num_speculative_tokens=3)
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    register_fake_mla_layers(config, names)
+    context = config.compilation_config.static_forward_context
+    upstream = {name: context[name].dcp_manager.combine for name in names}
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1,
+                            head_size=KV_LORA_RANK + ROPE_DIM, dtype=torch.float32)
+    routed = None
+    for _ in range(2):
+        with fake_dcp_group(world_size, 0), set_current_vllm_config(config):
+            CPUDCPMLAMetadataBuilder(spec, names, config, torch.device("cpu"))
+        combines = {name: context[name].dcp_manager.combine for name in names}
+        routed = routed or combines
+        assert combines == routed
+    for name in names:
+        if world_size == 1:
+            assert routed[name] is upstream[name]
+        else:
+            assert routed[name].__wrapped__ is upstream[name]
 
 
 # ---------------------------------------------------------------------------

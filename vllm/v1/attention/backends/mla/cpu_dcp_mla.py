@@ -30,7 +30,10 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
-from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
+from vllm.v1.attention.backends.mla.dcp_epilogue import (
+    finish_rows_decode,
+    route_combines_through_rows,
+)
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
@@ -77,6 +80,8 @@ class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
             device,
             supports_dcp_with_varlen=use_dcp,
         )
+        if self.dcp_world_size > 1:
+            route_combines_through_rows(vllm_config, layer_names)
 
 
 class CPUDCPMLAImpl(CPUMLAImpl):
@@ -142,7 +147,7 @@ class CPUDCPMLAImpl(CPUMLAImpl):
             kv_lora_rank=self.kv_lora_rank,
             scale=self.scale,
         )
-        return finish_rows_decode(self, out, lse, rows, layer)
+        return finish_rows_decode(self, out, lse, rows)
 
 
 class CPUDCPMLABackend(CPUMLABackend):

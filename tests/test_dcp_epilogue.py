@@ -9,7 +9,7 @@ from unittest import mock
 import torch
 
 from dense_reference import KV_LORA_RANK, full_attention, random_decode_batch
-from vllm.v1.attention.backends.mla.dcp_combine import (
+from vllm.v1.attention.backends.mla.dcp_epilogue import (
     mask_empty_rows_,
     route_combine_through_rows,
 )
