@@ -95,8 +95,34 @@ def test_impl_keeps_dcp_group(tmp_path, world_size, interleave):
         impl = make_impl(0.1)
     assert impl.dcp_world_size == world_size
     assert impl.dcp_rank == world_size - 1
+    assert impl.total_cp_world_size == world_size
+    assert impl.total_cp_rank == world_size - 1
     assert impl.cp_kv_cache_interleave_size == interleave
     assert impl.need_to_return_lse_for_decode and impl.lse_base_on_e
+
+
+def test_impl_differs_from_upstream_only_in_the_dcp_pin(tmp_path):
+    """``CPUMLAImpl.__init__`` pins the DCP size and interleave to 1 (its
+    kernel has no LSE); the subclass puts back exactly those, and its LSE
+    request follows from its class flag: every other attribute is
+    upstream's, so nothing else of the parent's ``__init__`` is undone."""
+    with dcp_context(tmp_path, 4, 3, 16):
+        ours, upstream = make_impl(0.1), make_impl(0.1, CPUMLAImpl)
+    differs = {name for name in vars(upstream)
+               if not _same(getattr(upstream, name), getattr(ours, name))}
+    assert differs == {"dcp_world_size", "cp_kv_cache_interleave_size",
+                       "need_to_return_lse_for_decode"}
+    assert set(vars(ours)) == set(vars(upstream))
+    assert (upstream.dcp_world_size, upstream.cp_kv_cache_interleave_size) == (1, 1)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
 
 
 def test_dcp1_is_upstream(tmp_path):

@@ -151,6 +151,40 @@ def test_every_masking_combine_of_vllms_manager_is_routed(tmp_path, comm_backend
         assert collective.call_args.kwargs.get("query_start_loc") is None
 
 
+def test_flashinfer_builder_init_is_its_check_then_the_mla_builder(tmp_path):
+    """``FlashInferDCPMLAMetadataBuilder`` calls ``MLACommonMetadataBuilder.
+    __init__`` to pass its parent's interleave check; that is right only
+    while the parent's ``__init__`` does nothing else. On a config the check
+    accepts, the parent and the direct call give the same builder."""
+    from builder_harness import fake_dcp_group, make_builder
+
+    module = import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_mla")
+    from vllm.model_executor.layers.attention.mla_attention import (
+        MLACommonMetadataBuilder,
+    )
+
+    class Direct(module.FlashInferMLAMetadataBuilder):
+        def __init__(self, spec, names, config, device):
+            MLACommonMetadataBuilder.__init__(
+                self, spec, names, config, device, module.FlashInferMLAMetadata,
+                supports_dcp_with_varlen=True)
+
+    config = make_vllm_config(tmp_path / "m", dcp=2, interleave=1,
+                              block_size=64, num_speculative_tokens=3)
+    builders = []
+    for cls in (module.FlashInferMLAMetadataBuilder, Direct):
+        with fake_dcp_group(2, 1):
+            builders.append(make_builder(cls, config))
+    parent, direct = builders
+    assert set(vars(parent)) == set(vars(direct))
+    for name, value in vars(parent).items():
+        other = getattr(direct, name)
+        if isinstance(value, torch.Tensor):
+            assert value.shape == other.shape and value.dtype == other.dtype, name
+        elif isinstance(value, (bool, int, float, str, type, type(None))):
+            assert value == other, name
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_combine_routed_once_per_layer_when_the_builder_is_made(tmp_path,
                                                                 world_size):
