@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ops layer against vLLM's own helpers and against full attention."""
+"""The ops layer's DCP math (``dcp_decode``) against vLLM's own helpers and
+against full attention."""
 
 from __future__ import annotations
 
