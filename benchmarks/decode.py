@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import (copy_bandwidth_tbs, environment, print_table,  # noqa: E402
                      random_paged_tables, time_ms, write_csv)
 
-from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens  # noqa: E402
+from vllm.v1.attention.ops.dcp_decode import DCPLayout  # noqa: E402
 from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA  # noqa: E402
 from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
     build_flat_decode_triton)
@@ -97,12 +97,12 @@ def main():
         lse = torch.empty(n, heads, device="cuda")
         ranks = sorted({0, world - 1})
         for rank in ranks:
-            local = dcp_local_seq_lens(seq, world, rank, args.interleave)
+            local = DCPLayout(world, rank, args.interleave).local_seq_lens(seq)
             table = random_paged_tables(batch, local, PAGE, pool_pages, gen).cuda()
             seq_d, local_d = seq.cuda(), local.cuda()
             flat = build_flat_decode_triton(
-                seq_d, qsl, table, world_size=world, rank=rank,
-                interleave=args.interleave, causal=causal, num_rows=n)
+                seq_d, qsl, table, layout=DCPLayout(world, rank, args.interleave),
+                causal=causal, num_rows=n)
             times = {}
             mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE,
                                     sm_scale=scale)

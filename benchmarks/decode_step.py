@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import alloc_flat_decode, dcp_local_seq_lens
+from vllm.v1.attention.ops.dcp_decode import DCPLayout, alloc_flat_decode
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
@@ -70,7 +70,7 @@ def kernel_ms(fn, iters=3):
 
 def point(batch, ctx, world, layers, heads, q_len, ws, args):
     dev = "cuda"
-    local = int(dcp_local_seq_lens(torch.tensor([ctx]), world, 0, 1)[0])
+    local = int(DCPLayout(world).local_seq_lens(torch.tensor([ctx]))[0])
     pages = -(-local // PAGE)
     per_layer_bytes = batch * pages * PAGE * (DV + DR) * 2
     copies = max(1, min(layers, int(args.pool_gib * 2**30 // per_layer_bytes)))
@@ -90,11 +90,11 @@ def point(batch, ctx, world, layers, heads, q_len, ws, args):
                       generator=gen) for _ in range(min(layers, 4))]
 
     def plan():
-        flat = build_flat_decode_triton(seq.to(dev), qsl.to(dev), table, world_size=world,
-                                        rank=0, interleave=1, causal=True,
+        flat = build_flat_decode_triton(seq.to(dev), qsl.to(dev), table,
+                                        layout=DCPLayout(world, 0, 1), causal=True,
                                         num_rows=rows, out=flat_buf)
         prefix = host_prefix_lens(seq, qsl, causal=True, slack=q_len - 1,
-                                  world_size=world, rank=0, interleave=1)
+                                  layout=DCPLayout(world, 0, 1))
         host = plan_prefix_tail_host(qsl, prefix, num_rows=rows, page_size=PAGE)
         kernel.plan_prefix_tail(host, table, flat.seq_lens, flat.block_table)
 

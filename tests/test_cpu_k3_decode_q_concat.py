@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from vllm.v1.attention.ops.cpu_dcp_slot_mapping import dcp_slot_mapping
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.cpu_k3_mla_decode_q_concat import (
     decode_q_concat_kv_cache_insert,
 )
@@ -64,7 +65,7 @@ def dcp_slots(positions, world, rank, interleave, block_table):
     qsl = torch.tensor([0, len(positions)], dtype=torch.int32)
     dcp_slot_mapping(qsl, positions, block_table, slots, num_tokens=len(positions),
                      max_num_tokens=len(positions), block_size=BLOCK,
-                     world_size=world, rank=rank, interleave=interleave)
+                     layout=DCPLayout(world, rank, interleave))
     return slots
 
 

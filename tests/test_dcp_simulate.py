@@ -87,10 +87,9 @@ def test_a_wrong_case_is_named_and_fails(capsys, poison):
     """Break one case's merged output: the run fails and names exactly it."""
     real_step = dcp_simulate.dcp_step
 
-    def step(*args, world_size, interleave, causal, **kwargs):
-        out, lse = real_step(*args, world_size=world_size, interleave=interleave,
-                             causal=causal, **kwargs)
-        if (world_size, interleave, causal) == (2, 16, False):
+    def step(*args, layout, causal, **kwargs):
+        out, lse = real_step(*args, layout=layout, causal=causal, **kwargs)
+        if (layout.world_size, layout.interleave, causal) == (2, 16, False):
             out = out.clone()
             out[-1, 0, 0] += poison
         return out, lse

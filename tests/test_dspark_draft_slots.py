@@ -6,7 +6,7 @@ writes the draft's context slots (accepted target tokens), leaves the
 rejected suffix and null-block rows unwritten (PAD) and writes the query
 slots of the draft block. It is a Triton kernel; here it runs in Triton's
 interpreter on CPU (a subprocess with ``TRITON_INTERPRET=1``), and every slot
-it writes must be the one ``dcp_slot_owner`` assigns to this rank.
+it writes must be the one ``DCPLayout.owner`` assigns to this rank.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import dcp_slot_owner
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
 PAD = -1
 BLOCK_SIZE = 16
@@ -48,7 +48,7 @@ def make_case(world_size: int, seed: int):
 def expected_slots(case, world_size, interleave, rank):
     """(context slots [4 * num_ctx], query slots [4 * NUM_QUERY]) by the ops layer."""
     def slot(req, pos):
-        owner, local = dcp_slot_owner(torch.tensor(pos), world_size, interleave)
+        owner, local = DCPLayout(world_size, 0, interleave).owner(torch.tensor(pos))
         block = int(case["block_table"][req, pos // (BLOCK_SIZE * world_size)])
         assert int(local) // BLOCK_SIZE == pos // (BLOCK_SIZE * world_size)
         if block == 0 or int(owner) != rank:

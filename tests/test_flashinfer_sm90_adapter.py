@@ -28,6 +28,7 @@ import torch
 
 import fa3_native  # benchmarks/ (pytest's pythonpath)
 from vllm.v1.attention.ops import dcp_decode as dcp
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops import flashinfer_sm90_mla as fsm
 
 try:  # flashinfer asks the GPU for its properties at import
@@ -196,18 +197,18 @@ def _merged_dcp(causal, world, interleave, *, seed=0, lens=(3, 40, 70, 9, 2),
     and float64-accumulated full attention without DCP."""
     cache, table, seq, qsl, q, page, heads = _dcp_case(seed, causal, page, lens)
     rows, scale = q.shape[0], 0.07
-    full = dcp.build_flat_decode(seq, qsl, table, world_size=1, rank=0,
-                                 interleave=1, causal=causal, num_rows=rows)
+    full = dcp.build_flat_decode(seq, qsl, table, layout=DCPLayout(), causal=causal,
+                                 num_rows=rows)
     ref = dcp.mla_decode_reference(q, cache, full.block_table, full.seq_lens,
                                    kv_lora_rank=512, scale=scale)
-    shards = dcp.shard_paged_kv(cache, table, seq, world_size=world,
-                                interleave=interleave,
+    shards = dcp.shard_paged_kv(cache, table, seq,
+                                layout=DCPLayout(world, interleave=interleave),
                                 generator=torch.Generator().manual_seed(1))
     outs, lses = [], []
     for rank, (lc, lt) in enumerate(shards):
         flat = dcp.build_flat_decode(seq.to(DEVICE), qsl.to(DEVICE), lt.to(DEVICE),
-                                     world_size=world, rank=rank,
-                                     interleave=interleave, causal=causal,
+                                     layout=DCPLayout(world, rank, interleave),
+                                     causal=causal,
                                      num_rows=rows)
         mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8, device=DEVICE),
                                     num_heads=heads, page_size=page,
@@ -266,8 +267,8 @@ def test_rows_run_are_rows_planned(fake_flashinfer):
     refused."""
     cache, table, seq, qsl, q, page, heads = _dcp_case(2, True)
     rows = q.shape[0]
-    flat = dcp.build_flat_decode(seq, qsl, table, world_size=2, rank=1,
-                                 interleave=1, causal=True, num_rows=rows)
+    flat = dcp.build_flat_decode(seq, qsl, table, layout=DCPLayout(2, 1, 1),
+                                 causal=True, num_rows=rows)
     mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8), num_heads=heads,
                                 page_size=page, sm_scale=0.1, dtype=torch.float32)
     with pytest.raises(ValueError, match="plan every forward"):
@@ -291,8 +292,8 @@ def test_prefix_tail_plan_uses_persistent_buffers(fake_flashinfer):
     mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8), num_heads=heads,
                                 page_size=page, sm_scale=0.1, dtype=torch.float32,
                                 max_rows=rows, max_cols=table.shape[1])
-    flat = dcp.build_flat_decode(seq, qsl, table, world_size=1, rank=0,
-                                 interleave=1, causal=True, num_rows=rows)
+    flat = dcp.build_flat_decode(seq, qsl, table, layout=DCPLayout(), causal=True,
+                                 num_rows=rows)
     ptrs, wrappers = [], []
     for lens in (seq, seq.flip(0)):
         host = fsm.plan_prefix_tail_host(qsl, lens.clamp(max=seq.min()),
@@ -319,8 +320,8 @@ def test_calls_bind_to_installed_flashinfer(fake_flashinfer, monkeypatch):
     # The fixture swapped sys.modules; _REAL_MLA was imported before it.
     monkeypatch.setattr(fsm, "tail_merge", lambda *args, **kwargs: None)
     cache, table, seq, qsl, q, page, heads = _dcp_case(3, True)
-    flat = dcp.build_flat_decode(seq, qsl, table, world_size=2, rank=0,
-                                 interleave=1, causal=True, num_rows=q.shape[0])
+    flat = dcp.build_flat_decode(seq, qsl, table, layout=DCPLayout(2, 0, 1),
+                                 causal=True, num_rows=q.shape[0])
     mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8),
                                 num_heads=heads, page_size=page, sm_scale=0.1,
                                 dtype=torch.float32)

@@ -31,6 +31,7 @@ from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decod
 from kernel_stubs import import_on_cpu
 from test_flashinfer_sm90_adapter import _FakeMeta, _FakeWrapper
 from vllm.v1.attention.ops import dcp_decode
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
 CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(
@@ -98,8 +99,8 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
     batch.kv_cache[0] = null
     ref_out, ref_lse = full_attention(batch, causal=causal)
     shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens, world_size=world,
-                                       interleave=interleave)
+                                       batch.seq_lens,
+                                       layout=DCPLayout(world, interleave=interleave))
     config = make_vllm_config(tmp_path / "model", dcp=world, interleave=interleave,
                               block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC)
     config.model_config.dtype = torch.bfloat16

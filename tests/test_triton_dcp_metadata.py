@@ -16,6 +16,7 @@ FLAT_FIELDS = ("seq_lens", "query_start_loc", "row_to_req", "global_seq_lens",
                "empty")
 
 from vllm.v1.attention.ops import dcp_decode as dcp
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
 try:
     from vllm.v1.attention.ops import triton_dcp_metadata as tdm
@@ -61,8 +62,8 @@ def test_flat_triton_bit_equal(seed):
     rank = int(torch.randint(0, world, (), generator=gen))
     causal = seed % 2 == 0
     num_rows = int(qsl[-1]) + int(torch.randint(0, 6, (), generator=gen))
-    kw = dict(world_size=world, rank=rank, interleave=interleave,
-              causal=causal, num_rows=num_rows)
+    kw = dict(layout=DCPLayout(world, rank, interleave), causal=causal,
+              num_rows=num_rows)
     ref = dcp.build_flat_decode(seq_lens, qsl, table, **kw)
     cols = table.shape[1]
     out = _poisoned_flat(num_rows + 5, cols + 3, "cuda")
@@ -82,8 +83,7 @@ def test_flat_triton_cuda_graph_replay():
     seq_lens, qsl, table = random_batch(gen, "cuda")
     num_rows = 96
     out = _poisoned_flat(num_rows, table.shape[1], "cuda")
-    kw = dict(world_size=4, rank=1, interleave=16, causal=True,
-              num_rows=num_rows)
+    kw = dict(layout=DCPLayout(4, 1, 16), causal=True, num_rows=num_rows)
     tdm.build_flat_decode_triton(seq_lens, qsl, table, **kw, out=out)  # warm
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -109,8 +109,8 @@ def test_local_bounds_step_by_0_or_1_within_a_request(seed):
     world, interleave = [(2, 1), (4, 16), (8, 1), (1, 1), (2, 3)][seed % 5]
     num_rows = int(qsl[-1]) + 3
     for rank, causal in itertools.product(range(world), (True, False)):
-        flat = dcp.build_flat_decode(seq_lens, qsl, table, world_size=world,
-                                     rank=rank, interleave=interleave,
+        flat = dcp.build_flat_decode(seq_lens, qsl, table,
+                                     layout=DCPLayout(world, rank, interleave),
                                      causal=causal, num_rows=num_rows)
         lens = flat.seq_lens.tolist()
         for start, end in zip(qsl[:-1].tolist(), qsl[1:].tolist()):

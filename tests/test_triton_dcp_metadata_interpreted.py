@@ -24,6 +24,7 @@ FIELDS = ("seq_lens", "query_start_loc", "block_table", "row_to_req",
 
 def _compare_all() -> int:
     from vllm.v1.attention.ops import dcp_decode
+    from vllm.v1.attention.ops.dcp_decode import DCPLayout
     from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
 
     gen = torch.Generator().manual_seed(0)
@@ -41,8 +42,8 @@ def _compare_all() -> int:
         world, interleave = (1, 2, 4, 8)[case % 4], (1, 16, 64)[case % 3]
         causal, num_rows = bool(case % 2), int(qsl[-1]) + 3
         for rank in range(world):
-            args = dict(world_size=world, rank=rank, interleave=interleave,
-                        causal=causal, num_rows=num_rows)
+            args = dict(layout=DCPLayout(world, rank, interleave), causal=causal,
+                        num_rows=num_rows)
             ref = dcp_decode.build_flat_decode(seq_lens, qsl, table, **args)
             buffers = dcp_decode.alloc_flat_decode(num_rows + 5, 9)
             for field in ("seq_lens", "row_to_req", "global_seq_lens", "block_table"):
@@ -59,13 +60,15 @@ def _compare_all() -> int:
 
 def _check_short_requests(build) -> int:
     """seq 0 / q_len 4 and seq 2 / q_len 4: bounds clamp at 0, rows empty."""
+    from vllm.v1.attention.ops.dcp_decode import DCPLayout
+
     seq_lens = torch.tensor([0, 2], dtype=torch.int32)
     qsl = torch.tensor([0, 4, 8], dtype=torch.int32)
     table = torch.arange(1, 5, dtype=torch.int32).view(2, 2)
     for causal in (True, False):
         expected = [0, 0, 0, 0, 0, 0, 1, 2] if causal else [0] * 4 + [2] * 4
         for rank in (0, 1):
-            got = build(seq_lens, qsl, table, world_size=2, rank=rank, interleave=1,
+            got = build(seq_lens, qsl, table, layout=DCPLayout(2, rank, 1),
                         causal=causal, num_rows=8)
             assert got.global_seq_lens.tolist() == expected, (causal, rank)
             local = [(g // 2) + min(max(g % 2 - rank, 0), 1) for g in expected]

@@ -109,7 +109,7 @@ def test_every_masking_combine_of_vllms_manager_is_routed(tmp_path, comm_backend
     """Built by vLLM itself for ``--dcp-comm-backend``; on vLLM >= 0.33 the
     a2a path merges through ``v_up_proj_combine`` and skips ``combine``."""
     from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.mla.dcp_combine import route_combine_through_rows
+    from vllm.v1.attention.backends.mla.dcp_epilogue import route_combine_through_rows
     from vllm.v1.attention.ops import dcp as dcp_ops
 
     config = make_vllm_config(tmp_path / "m", dcp=2)
@@ -151,22 +151,73 @@ def test_every_masking_combine_of_vllms_manager_is_routed(tmp_path, comm_backend
         assert collective.call_args.kwargs.get("query_start_loc") is None
 
 
-def test_combine_wrapped_once_per_manager():
-    from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
-    from vllm.v1.attention.ops import dcp_decode
+def test_flashinfer_builder_init_is_its_check_then_the_mla_builder(tmp_path):
+    """``FlashInferDCPMLAMetadataBuilder`` calls ``MLACommonMetadataBuilder.
+    __init__`` to pass its parent's interleave check; that is right only
+    while the parent's ``__init__`` does nothing else. On a config the check
+    accepts, the parent and the direct call give the same builder."""
+    from builder_harness import fake_dcp_group, make_builder
 
-    rows = dcp_decode.build_flat_decode(
-        torch.tensor([9], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
-        torch.ones(1, 1, dtype=torch.int32), world_size=2, rank=1, interleave=1,
-        causal=True)
-    impl = SimpleNamespace(dcp_world_size=2, need_to_return_lse_for_decode=True)
-    manager = SimpleNamespace(combine=mock.Mock())
-    layer = SimpleNamespace(dcp_manager=manager)
-    finish_rows_decode(impl, torch.zeros(2, 1, 4), torch.zeros(2, 1), rows, layer)
-    routed = manager.combine
-    assert routed.__wrapped__ is not None
-    finish_rows_decode(impl, torch.zeros(2, 1, 4), torch.zeros(2, 1), rows, layer)
-    assert manager.combine is routed
+    module = import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_mla")
+    from vllm.model_executor.layers.attention.mla_attention import (
+        MLACommonMetadataBuilder,
+    )
+
+    class Direct(module.FlashInferMLAMetadataBuilder):
+        def __init__(self, spec, names, config, device):
+            MLACommonMetadataBuilder.__init__(
+                self, spec, names, config, device, module.FlashInferMLAMetadata,
+                supports_dcp_with_varlen=True)
+
+    config = make_vllm_config(tmp_path / "m", dcp=2, interleave=1,
+                              block_size=64, num_speculative_tokens=3)
+    builders = []
+    for cls in (module.FlashInferMLAMetadataBuilder, Direct):
+        with fake_dcp_group(2, 1):
+            builders.append(make_builder(cls, config))
+    parent, direct = builders
+    assert set(vars(parent)) == set(vars(direct))
+    for name, value in vars(parent).items():
+        other = getattr(direct, name)
+        if isinstance(value, torch.Tensor):
+            assert value.shape == other.shape and value.dtype == other.dtype, name
+        elif isinstance(value, (bool, int, float, str, type, type(None))):
+            assert value == other, name
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_combine_routed_once_per_layer_when_the_builder_is_made(tmp_path,
+                                                                world_size):
+    """vLLM makes each layer's ``dcp_manager`` with the layer, before any
+    builder; the DCP rows builder routes every layer of its group once (a
+    second builder of the group, as under DBO, wraps nothing twice), a
+    forward never; at DCP size 1 nothing is routed."""
+    from builder_harness import fake_dcp_group, register_fake_mla_layers
+    from dense_reference import KV_LORA_RANK, ROPE_DIM
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.mla.cpu_dcp_mla import CPUDCPMLAMetadataBuilder
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    config = make_vllm_config(tmp_path / "m", dcp=world_size,
+                              num_speculative_tokens=3)
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    register_fake_mla_layers(config, names)
+    context = config.compilation_config.static_forward_context
+    upstream = {name: context[name].dcp_manager.combine for name in names}
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1,
+                            head_size=KV_LORA_RANK + ROPE_DIM, dtype=torch.float32)
+    routed = None
+    for _ in range(2):
+        with fake_dcp_group(world_size, 0), set_current_vllm_config(config):
+            CPUDCPMLAMetadataBuilder(spec, names, config, torch.device("cpu"))
+        combines = {name: context[name].dcp_manager.combine for name in names}
+        routed = routed or combines
+        assert combines == routed
+    for name in names:
+        if world_size == 1:
+            assert routed[name] is upstream[name]
+        else:
+            assert routed[name].__wrapped__ is upstream[name]
 
 
 # ---------------------------------------------------------------------------
@@ -182,10 +233,9 @@ def test_cpu_pieces_follow_what_vllm_has():
     if not HAS_TRITON:
         assert installed["slot_mapping"] == has_slot_fallback
         assert installed["combine"]
-    assert installed["rope"]
+    assert "rope" not in installed  # its own module (cpu_multihead_rope_fix)
     # Each piece on its own, whatever Triton's state (idempotent).
     assert cpu_dcp_patches._install_slot_mapping() == has_slot_fallback
-    assert cpu_dcp_patches._install_rope_fix()
 
 
 def test_absent_cpu_hooks_are_left_out_without_error():
@@ -194,7 +244,6 @@ def test_absent_cpu_hooks_are_left_out_without_error():
     with mock.patch.object(cpu_dcp_patches, "_find", return_value=None):
         assert cpu_dcp_patches._install_slot_mapping() is False
         assert cpu_dcp_patches._install_combine() is False
-        assert cpu_dcp_patches._install_rope_fix() is False
 
 
 # ---------------------------------------------------------------------------

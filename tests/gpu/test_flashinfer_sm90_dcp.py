@@ -51,7 +51,8 @@ from dense_reference import random_decode_batch  # noqa: E402
 from fa3_native import NativeFA3MLA, plan_prefix_tail_from_rows  # noqa: E402
 
 from vllm.v1.attention.ops.dcp_decode import (  # noqa: E402
-    build_flat_decode, merge_partials, mla_decode_reference, shard_paged_kv)
+    DCPLayout, build_flat_decode, merge_partials, mla_decode_reference,
+    shard_paged_kv)
 from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA  # noqa: E402
 from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
     build_flat_decode_triton)
@@ -143,19 +144,19 @@ def _run_case(ws, heads, world, inter, causal, qpass, *, plant=False) -> dict:
         q = q * FLAT_Q_SCALE
     q = q.to(DTYPE).to(DEV)
     cache = batch.kv_cache.to(DTYPE)
-    full = build_flat_decode(seq, qsl, table, world_size=1, rank=0,
-                             interleave=1, causal=causal, num_rows=rows)
+    full = build_flat_decode(seq, qsl, table, layout=DCPLayout(),
+                             causal=causal, num_rows=rows)
     ref_out, ref_lse = mla_decode_reference(
         q.float(), cache.to(DEV).float(), full.block_table.to(DEV),
         full.seq_lens.to(DEV), kv_lora_rank=DV, scale=SCALE)
     delta = _min_key_weight(q, cache.to(DEV), table.to(DEV), seq, qsl, full, ref_lse)
     outs, lses = [], []
     for rank, (local_cache, local_table) in enumerate(
-            shard_paged_kv(cache, table, seq, world_size=world, interleave=inter,
+            shard_paged_kv(cache, table, seq, layout=DCPLayout(world, 0, inter),
                            generator=gen)):
         flat = build_flat_decode_triton(
-            seq.to(DEV), qsl.to(DEV), local_table.to(DEV), world_size=world,
-            rank=rank, interleave=inter, causal=causal, num_rows=rows)
+            seq.to(DEV), qsl.to(DEV), local_table.to(DEV),
+            layout=DCPLayout(world, rank, inter), causal=causal, num_rows=rows)
         if plant:
             _plant_off_by_one(flat, rows)
         mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE,

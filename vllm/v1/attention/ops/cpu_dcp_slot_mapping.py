@@ -3,7 +3,7 @@
 
 vLLM's CPU fallback for its slot-mapping Triton kernel asserts a CP world size
 of 1. This is the DCP-aware version: every new token's KV goes to the rank
-that owns its position (``dcp_slot_owner``); other ranks get the pad slot.
+that owns its position (``DCPLayout.owner``); other ranks get the pad slot.
 
 Pure torch: no vllm import.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import dcp_slot_owner
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
 __all__ = ["dcp_slot_mapping"]
 
@@ -26,9 +26,7 @@ def dcp_slot_mapping(
     num_tokens: int,
     max_num_tokens: int,
     block_size: int,
-    world_size: int,
-    rank: int,
-    interleave: int,
+    layout: DCPLayout,
     pad_id: int = -1,
 ) -> torch.Tensor:
     """Fill ``slot_mapping`` with this rank's cache slot of each new token.
@@ -46,7 +44,7 @@ def dcp_slot_mapping(
         num_tokens: tokens scheduled in this step.
         max_num_tokens: slots past ``num_tokens`` up to here get ``pad_id``.
         block_size: tokens per (local) KV block.
-        world_size, rank, interleave: the DCP layout (W, r, I).
+        layout: the DCP split (W, I), seen from this rank.
         pad_id: slot of tokens this rank does not store.
 
     Returns:
@@ -56,11 +54,10 @@ def dcp_slot_mapping(
                          device=positions.device)
     req = torch.searchsorted(query_start_loc[1:], token, right=True)
     pos = positions[:num_tokens].long()
-    virtual_block_size = block_size * world_size
-    owner, local_offset = dcp_slot_owner(pos % virtual_block_size, world_size,
-                                         interleave)
+    virtual_block_size = block_size * layout.world_size
+    owner, local_offset = layout.owner(pos % virtual_block_size)
     block = block_table[req, pos // virtual_block_size].long()
-    slots = torch.where(owner == rank, block * block_size + local_offset,
+    slots = torch.where(owner == layout.rank, block * block_size + local_offset,
                         pad_id)
     slot_mapping[:num_tokens] = slots
     slot_mapping[num_tokens:max_num_tokens] = pad_id

@@ -4,9 +4,9 @@
 Pure torch: this module must not import vllm, so that it runs on machines where
 vLLM cannot be installed (the GPU benchmark host) as well as inside vLLM.
 
-Layout (vLLM's, bit-exact): with W = DCP world size and I = interleave size,
-global token position ``p`` lives on rank ``(p // I) % W`` at local index
-``(p // (W * I)) * I + p % I``.
+Layout (vLLM's, bit-exact, ``DCPLayout``): with W = DCP world size and
+I = interleave size, global token position ``p`` lives on rank
+``(p // I) % W`` at local index ``(p // (W * I)) * I + p % I``.
 
 Shapes use these names:
   R  requests, N  flattened rows (one per query token), B  max blocks per
@@ -21,55 +21,88 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "DCPLayout",
     "FlatDecode",
     "alloc_flat_decode",
     "build_flat_decode",
-    "dcp_local_seq_lens",
-    "dcp_slot_owner",
     "merge_partials",
     "mla_decode_reference",
     "shard_paged_kv",
 ]
 
 
-def dcp_local_seq_lens(
-    global_lens: torch.Tensor,
-    world_size: int,
-    rank: int | torch.Tensor,
-    interleave: int,
-) -> torch.Tensor:
-    """KV tokens of each sequence that rank ``rank`` holds.
+@dataclass(frozen=True)
+class DCPLayout:
+    """How the KV cache is split over the DCP ranks, seen from one rank.
 
-    ``local(L, r) = (L // (W*I)) * I + clamp(L % (W*I) - r*I, 0, I)``.
+    Global token position ``p`` lives on rank ``(p // I) % W`` at local index
+    ``(p // (W * I)) * I + p % I``.
 
-    Args:
-        global_lens: int tensor [...], global sequence lengths (tokens).
-        world_size: W, the DCP world size.
-        rank: this rank, or an int tensor broadcastable against ``global_lens``
-            (e.g. ``arange(W)[:, None]`` for every rank at once).
-        interleave: I, tokens stored contiguously on one rank.
-
-    Returns:
-        Tensor of ``global_lens``' dtype (broadcast shape): local lengths.
+    Attributes:
+        world_size: W, the DCP world size (``-dcp``).
+        rank: r, the rank this layout is seen from (0 <= r < W).
+        interleave: I, consecutive tokens stored on one rank
+            (``--cp-kv-cache-interleave-size``).
     """
-    span = world_size * interleave
-    remainder = global_lens % span - rank * interleave
-    local = (global_lens // span) * interleave + remainder.clamp(0, interleave)
-    return local.to(global_lens.dtype)
 
+    world_size: int = 1
+    rank: int = 0
+    interleave: int = 1
 
-def dcp_slot_owner(
-    positions: torch.Tensor, world_size: int, interleave: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Owner rank and local index of global token positions.
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.interleave < 1:
+            raise ValueError(
+                f"DCP world size ({self.world_size}) and interleave "
+                f"({self.interleave}) must be at least 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"DCP rank {self.rank} is outside world size {self.world_size}")
 
-    Returns:
-        ``(owner_rank, local_index)``, both of ``positions``' shape and dtype.
-    """
-    span = world_size * interleave
-    owner = (positions // interleave) % world_size
-    local_index = (positions // span) * interleave + positions % interleave
-    return owner, local_index
+    @property
+    def span(self) -> int:
+        """W * I: global tokens per round over every rank."""
+        return self.world_size * self.interleave
+
+    def with_rank(self, rank: int) -> "DCPLayout":
+        """The same split seen from ``rank``."""
+        return DCPLayout(self.world_size, rank, self.interleave)
+
+    def ranks(self) -> list["DCPLayout"]:
+        """The split seen from each rank 0..W-1."""
+        return [self.with_rank(rank) for rank in range(self.world_size)]
+
+    def local_seq_lens(
+        self, global_lens: torch.Tensor, rank: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """KV tokens of each sequence held on this rank (or on ``rank``).
+
+        ``local(L, r) = (L // (W*I)) * I + clamp(L % (W*I) - r*I, 0, I)``.
+
+        Args:
+            global_lens: int tensor [...], global sequence lengths (tokens).
+            rank: int tensor broadcastable against ``global_lens`` to ask for
+                several ranks at once (e.g. ``arange(W)[:, None]``); default
+                this layout's rank.
+
+        Returns:
+            Tensor of ``global_lens``' dtype (broadcast shape): local lengths.
+        """
+        rank = self.rank if rank is None else rank
+        remainder = global_lens % self.span - rank * self.interleave
+        local = ((global_lens // self.span) * self.interleave
+                 + remainder.clamp(0, self.interleave))
+        return local.to(global_lens.dtype)
+
+    def owner(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owner rank and local index of global token positions.
+
+        Returns:
+            ``(owner_rank, local_index)``, both of ``positions``' shape and dtype.
+        """
+        owner = (positions // self.interleave) % self.world_size
+        local_index = ((positions // self.span) * self.interleave
+                       + positions % self.interleave)
+        return owner, local_index
 
 
 @dataclass
@@ -135,9 +168,7 @@ def build_flat_decode(
     query_start_loc: torch.Tensor,
     block_table: torch.Tensor,
     *,
-    world_size: int,
-    rank: int,
-    interleave: int,
+    layout: DCPLayout,
     causal: bool,
     num_rows: int | None = None,
     out: FlatDecode | None = None,
@@ -149,7 +180,7 @@ def build_flat_decode(
     tokens when ``causal`` (speculative verify) and ``g_t = L`` otherwise
     (a DSpark draft block sees the whole block), clamped at 0 (``L < n``
     leaves the first tokens nothing to see: empty rows). On this rank that
-    is ``dcp_local_seq_lens(g_t)`` local tokens.
+    is ``layout.local_seq_lens(g_t)`` local tokens.
 
     Vectorised and free of host syncs when ``num_rows`` is given, so it can be
     captured in a CUDA graph together with ``out``.
@@ -159,7 +190,7 @@ def build_flat_decode(
         query_start_loc: int32 [R + 1], cumulative query lengths. Requests of
             query length 0 (padding) produce no rows.
         block_table: int32 [R, B], each request's block table (local blocks).
-        world_size, rank, interleave: the DCP layout (W, r, I).
+        layout: the DCP split, seen from the rank the rows are built for.
         causal: causal verify (True) or non-causal draft block (False).
         num_rows: N, rows to produce. Rows at or beyond ``query_start_loc[-1]``
             are padding: ``empty`` with seq len 0. Defaults to
@@ -192,7 +223,7 @@ def build_flat_decode(
     # A request shorter than its query (seq len < q_len) gives its first
     # tokens a bound below 1: they see nothing, on every rank.
     bound = torch.where(is_real, bound, 0).clamp_(min=0).to(torch.int32)
-    local = dcp_local_seq_lens(bound, world_size, rank, interleave)
+    local = layout.local_seq_lens(bound)
 
     if out is None:
         out = alloc_flat_decode(num_rows, block_table.shape[1], device)
@@ -297,8 +328,7 @@ def shard_paged_kv(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    world_size: int,
-    interleave: int,
+    layout: DCPLayout,
     null_fill: float = float("nan"),
     generator: torch.Generator | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -314,7 +344,8 @@ def shard_paged_kv(
         kv_cache: [num_blocks, block_size, D] global cache.
         block_table: int [R, B] global block tables.
         seq_lens: int [R] global lengths.
-        world_size, interleave: W and I.
+        layout: the DCP split (W and I; every rank is made, whatever
+            ``layout.rank``).
         null_fill: value written in the null block and in unused slots.
         generator: for the block-id shuffle.
 
@@ -326,8 +357,10 @@ def shard_paged_kv(
     block_size, width = kv_cache.shape[1], kv_cache.shape[2]
     seq_lens = seq_lens.long()
     shards = []
-    for rank in range(world_size):
-        local_lens = dcp_local_seq_lens(seq_lens, world_size, rank, interleave)
+    interleave = layout.interleave
+    for rank_layout in layout.ranks():
+        rank = rank_layout.rank
+        local_lens = rank_layout.local_seq_lens(seq_lens)
         blocks_per_req = (local_lens + block_size - 1) // block_size
         max_blocks = max(int(blocks_per_req.max()) if num_reqs else 0, 1)
         num_local = int(blocks_per_req.sum())
@@ -342,8 +375,7 @@ def shard_paged_kv(
         req_of = torch.repeat_interleave(torch.arange(num_reqs), local_lens)
         starts = torch.cumsum(local_lens, 0) - local_lens
         j = torch.arange(int(local_lens.sum())) - starts[req_of]
-        span = world_size * interleave
-        p = (j // interleave) * span + rank * interleave + j % interleave
+        p = (j // interleave) * layout.span + rank * interleave + j % interleave
         src = kv_cache[block_table[req_of, p // block_size].long(), p % block_size]
         cache[table[req_of, j // block_size].long(), j % block_size] = src
         shards.append((cache.to(kv_cache.device), table.to(block_table.device)))

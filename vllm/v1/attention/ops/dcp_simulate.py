@@ -43,9 +43,10 @@ def random_paged_batch(seq_lens: list[int], block_size: int, *, seed: int):
     return cache, table, lens
 
 
-def dcp_step(q, cache, table, lens, query_start_loc, *, world_size, interleave,
-             causal, scale, seed=0):
-    """Merged output and LSE of a simulated W-rank decode step."""
+def dcp_step(q, cache, table, lens, query_start_loc, *, layout, causal, scale,
+             seed=0):
+    """Merged output and LSE of a simulated decode step over every rank of
+    ``layout`` (a ``DCPLayout``)."""
     import torch
 
     from vllm.v1.attention.ops.dcp_decode import (
@@ -56,13 +57,11 @@ def dcp_step(q, cache, table, lens, query_start_loc, *, world_size, interleave,
     )
 
     gen = torch.Generator().manual_seed(seed)
-    shards = shard_paged_kv(cache, table, lens, world_size=world_size,
-                            interleave=interleave, generator=gen)
+    shards = shard_paged_kv(cache, table, lens, layout=layout, generator=gen)
     outs, lses = [], []
-    for rank, (local_cache, local_table) in enumerate(shards):
+    for rank_layout, (local_cache, local_table) in zip(layout.ranks(), shards):
         flat = build_flat_decode(lens, query_start_loc, local_table,
-                                 world_size=world_size, rank=rank,
-                                 interleave=interleave, causal=causal)
+                                 layout=rank_layout, causal=causal)
         out, lse = mla_decode_reference(q, local_cache, flat.block_table,
                                         flat.seq_lens,
                                         kv_lora_rank=KV_LORA_RANK, scale=scale)
@@ -133,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from vllm.v1.attention.ops.dcp_decode import (
+        DCPLayout,
         build_flat_decode,
         mla_decode_reference,
     )
@@ -149,16 +149,16 @@ def run(args: argparse.Namespace) -> int:
         qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(q_lens, 0)
         q = torch.randn(int(qsl[-1]), args.heads, KV_LORA_RANK + ROPE_DIM)
-        full = build_flat_decode(lens, qsl, table, world_size=1, rank=0,
-                                 interleave=1, causal=causal)
+        full = build_flat_decode(lens, qsl, table, layout=DCPLayout(),
+                                 causal=causal)
         ref_out, ref_lse = mla_decode_reference(q, cache, full.block_table,
                                                 full.seq_lens,
                                                 kv_lora_rank=KV_LORA_RANK,
                                                 scale=scale)
         t0 = time.perf_counter()
-        out, lse = dcp_step(q, cache, table, lens, qsl, world_size=world,
-                            interleave=inter, causal=causal, scale=scale,
-                            seed=args.seed)
+        out, lse = dcp_step(q, cache, table, lens, qsl,
+                            layout=DCPLayout(world, 0, inter), causal=causal,
+                            scale=scale, seed=args.seed)
         elapsed = time.perf_counter() - t0
         err_out = (out - ref_out).abs().max().item()
         err_lse = (lse - ref_lse).abs().max().item()

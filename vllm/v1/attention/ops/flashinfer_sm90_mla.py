@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
 __all__ = [
@@ -153,9 +153,7 @@ def host_prefix_lens(
     *,
     causal: bool,
     slack: int,
-    world_size: int,
-    rank: int,
-    interleave: int,
+    layout: DCPLayout,
 ) -> torch.Tensor:
     """Local KV tokens that every query token of each request sees, from host
     data only.
@@ -171,16 +169,18 @@ def host_prefix_lens(
         global_lens: int CPU [>= R], host global lengths (an upper bound of
             the exact ones by at most ``slack``).
         query_start_loc: int CPU [R + 1], the requests' query offsets.
+        layout: the DCP split, seen from this rank.
 
     Returns:
-        int64 CPU [R], local lengths on ``rank`` (0 where the bound is <= 0).
+        int64 CPU [R], local lengths on ``layout.rank`` (0 where the bound
+        is <= 0).
     """
     num_reqs = query_start_loc.shape[0] - 1
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
     first = global_lens[:num_reqs].to(torch.int64) - slack
     if causal:
         first = first - (q_lens - 1)
-    return dcp_local_seq_lens(first.clamp(min=0), world_size, rank, interleave)
+    return layout.local_seq_lens(first.clamp(min=0))
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

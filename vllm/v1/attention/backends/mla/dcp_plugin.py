@@ -82,6 +82,7 @@ def _register() -> None:
         register_backend,
     )
 
+    from vllm.model_executor.layers.rotary_embedding import cpu_multihead_rope_fix
     from vllm.v1.attention.backends.mla import dcp_startup_checks
     from vllm.v1.attention.backends.mla.cpu_dcp_patches import (
         install_cpu_dcp_patches,
@@ -90,6 +91,7 @@ def _register() -> None:
     for name, class_path in BACKEND_OVERRIDES:
         register_backend(AttentionBackendEnum[name], class_path)
     install_cpu_dcp_patches()
+    cpu_multihead_rope_fix.install()
     dcp_startup_checks.install()
     logger.debug("vllm-dcp-dspark: registered %d MLA backend overrides",
                  len(BACKEND_OVERRIDES))

@@ -13,7 +13,8 @@ row's local length. Under DCP the backend declares host/device query-length
 mismatches (adaptive verification) unsupported. The kernel's LSE is base 2;
 rows where this rank holds no KV are masked from the metadata (out 0, LSE
 -inf), which also covers rows whose per-token bound is 0 while their
-request's local length is not.
+request's local length is not; the layers' combines, routed once when the
+builder is made, skip their own per-layer mask (``dcp_epilogue``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
-from vllm.v1.attention.backends.mla.dcp_combine import finish_rows_decode
+from vllm.v1.attention.backends.mla.dcp_epilogue import (
+    finish_rows_decode,
+    route_combines_through_rows,
+)
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
@@ -67,6 +71,8 @@ class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetada
         if setting.dcp_size > 1:
             checks.raise_if_unsupported(checks.TOKENSPEED_MLA, setting)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if self.dcp_world_size > 1:
+            route_combines_through_rows(vllm_config, layer_names)
 
 
 class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
@@ -118,9 +124,9 @@ class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
                 seq_lens=decode.seq_lens,
                 causal_mask=decode.causal,
                 causal_seqs=decode.dcp_tot_seq_lens,
-                cp_world=decode.dcp_world_size,
-                cp_rank=decode.dcp_rank,
-                cp_interleave_size=decode.interleave,
+                cp_world=decode.layout.world_size,
+                cp_rank=decode.layout.rank,
+                cp_interleave_size=decode.layout.interleave,
             )
         else:
             rows = decode.flat
@@ -148,7 +154,7 @@ class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
         )
         out = out.view(num_tokens, num_heads, -1)
         lse = lse.view(num_tokens, num_heads)
-        return finish_rows_decode(self, out, lse, decode.flat, layer)
+        return finish_rows_decode(self, out, lse, decode.flat)
 
 
 class TokenspeedDCPMLABackend(TokenspeedMLABackend):

@@ -9,11 +9,12 @@ from unittest import mock
 import torch
 
 from dense_reference import KV_LORA_RANK, full_attention, random_decode_batch
-from vllm.v1.attention.backends.mla.dcp_combine import (
+from vllm.v1.attention.backends.mla.dcp_epilogue import (
     mask_empty_rows_,
     route_combine_through_rows,
 )
 from vllm.v1.attention.ops import dcp_decode
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.dcp import _lse_weighted_combine, mask_dcp_empty_shards_
 
 
@@ -21,20 +22,21 @@ def _partials(batch, world_size, interleave, *, causal):
     """Each rank's (out, lse, rows, local per-request lens), with finite
     garbage where the kernel's result is undefined (no local KV for the row)."""
     shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens, world_size=world_size,
-                                       interleave=interleave)
+                                       batch.seq_lens,
+                                       layout=DCPLayout(world_size,
+                                                        interleave=interleave))
     result = []
     for rank, (cache, table) in enumerate(shards):
         rows = dcp_decode.build_flat_decode(
-            batch.seq_lens, batch.query_start_loc, table, world_size=world_size,
-            rank=rank, interleave=interleave, causal=causal)
+            batch.seq_lens, batch.query_start_loc, table,
+            layout=DCPLayout(world_size, rank, interleave), causal=causal)
         out, lse = dcp_decode.mla_decode_reference(
             batch.q, cache, rows.block_table, rows.seq_lens,
             kv_lora_rank=KV_LORA_RANK, scale=batch.scale)
         out[rows.empty] = 7.0
         lse[rows.empty] = 0.0
-        local = dcp_decode.dcp_local_seq_lens(batch.seq_lens, world_size, rank,
-                                              interleave)
+        local = DCPLayout(world_size, rank, interleave).local_seq_lens(
+            batch.seq_lens)
         result.append((out, lse, rows, local))
     return result
 
@@ -83,7 +85,7 @@ def test_row_masked_combine_equals_full_attention_and_vllm_where_right():
 def test_mask_covers_padding_rows_past_the_metadata():
     rows = dcp_decode.build_flat_decode(
         torch.tensor([9], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
-        torch.ones(1, 1, dtype=torch.int32), world_size=2, rank=1, interleave=1,
+        torch.ones(1, 1, dtype=torch.int32), layout=DCPLayout(2, 1, 1),
         causal=True)
     out = torch.randn(4, 2, 3)
     lse = torch.randn(4, 2)

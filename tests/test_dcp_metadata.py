@@ -22,6 +22,7 @@ from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeMetadata,
 )
 from vllm.v1.attention.ops import dcp_decode
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
 
 
 class VarlenDCPBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
@@ -77,8 +78,9 @@ def test_builder_rows_give_full_attention(tmp_path, world_size, interleave, caus
     batch = random_decode_batch(seq_lens, query_lens, block_size=16, seed=world_size)
     ref_out, ref_lse = full_attention(batch, causal=causal)
     shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens, world_size=world_size,
-                                       interleave=interleave)
+                                       batch.seq_lens,
+                                       layout=DCPLayout(world_size,
+                                                        interleave=interleave))
     outs, lses = [], []
     for rank, (cache, table) in enumerate(shards):
         builder = _builder(tmp_path, world_size, rank, interleave,
@@ -89,11 +91,12 @@ def test_builder_rows_give_full_attention(tmp_path, world_size, interleave, caus
         metadata = builder.build(0, common)
         decode = metadata.decode
         assert isinstance(decode, DCPDecodeMetadata)
-        assert decode.causal is causal and decode.dcp_rank == rank
+        assert decode.causal is causal
+        assert decode.layout == DCPLayout(world_size, rank, interleave)
         assert metadata.num_prefills == 0
         expected = dcp_decode.build_flat_decode(
-            batch.seq_lens, batch.query_start_loc, table, world_size=world_size,
-            rank=rank, interleave=interleave, causal=causal)
+            batch.seq_lens, batch.query_start_loc, table,
+            layout=DCPLayout(world_size, rank, interleave), causal=causal)
         for field in ("seq_lens", "row_to_req", "global_seq_lens", "empty",
                       "query_start_loc", "block_table"):
             assert torch.equal(getattr(decode.flat, field), getattr(expected, field))

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ops layer against vLLM's own helpers and against full attention."""
+"""The ops layer's DCP math (``dcp_decode``) against vLLM's own helpers and
+against full attention."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ from hypothesis import strategies as st
 
 from dense_reference import KV_LORA_RANK, full_attention, random_decode_batch
 from vllm.v1.attention.ops.dcp_decode import (
+    DCPLayout,
     alloc_flat_decode,
     build_flat_decode,
-    dcp_local_seq_lens,
-    dcp_slot_owner,
     merge_partials,
     mla_decode_reference,
     shard_paged_kv,
@@ -33,24 +33,45 @@ def test_local_seq_lens_equal_vllm(world_size, interleave):
 
     lens = torch.arange(0, 3 * world_size * interleave + 70, dtype=torch.int32)
     upstream = get_dcp_local_seq_lens(lens, world_size, None, interleave)  # [L, W]
-    for rank in range(world_size):
-        ours = dcp_local_seq_lens(lens, world_size, rank, interleave)
+    for layout in DCPLayout(world_size, 0, interleave).ranks():
+        ours = layout.local_seq_lens(lens)
         assert ours.dtype == torch.int32
-        torch.testing.assert_close(ours, upstream[:, rank], rtol=0, atol=0)
-    all_ranks = dcp_local_seq_lens(lens, world_size,
-                                   torch.arange(world_size)[:, None], interleave)
+        torch.testing.assert_close(ours, upstream[:, layout.rank], rtol=0, atol=0)
+    all_ranks = DCPLayout(world_size, 0, interleave).local_seq_lens(
+        lens, rank=torch.arange(world_size)[:, None])
     assert torch.equal(all_ranks.sum(0).to(torch.int32), lens)
+
+
+@pytest.mark.parametrize("world_size, rank, interleave, flag", [
+    (0, 0, 1, "world size"), (2, 2, 1, "rank 2"), (2, -1, 1, "rank -1"),
+    (2, 0, 0, "interleave"),
+])
+def test_layout_refuses_what_vllm_cannot_run(world_size, rank, interleave, flag):
+    with pytest.raises(ValueError, match=flag):
+        DCPLayout(world_size, rank, interleave)
+
+
+def test_layout_is_a_frozen_value():
+    layout = DCPLayout(4, 1, 16)
+    assert layout == DCPLayout(world_size=4, rank=1, interleave=16)
+    assert hash(layout) == hash(DCPLayout(4, 1, 16))
+    assert layout.span == 64
+    assert layout.with_rank(3) == DCPLayout(4, 3, 16)
+    assert [r.rank for r in layout.ranks()] == [0, 1, 2, 3]
+    assert DCPLayout() == DCPLayout(1, 0, 1)
+    with pytest.raises(AttributeError):
+        layout.rank = 2  # type: ignore[misc]
 
 
 @settings(max_examples=200, deadline=None)
 @given(world_size=st.sampled_from(WORLD_SIZES), interleave=st.sampled_from(INTERLEAVES),
        length=st.integers(0, 20000))
 def test_local_seq_lens_count_owned_positions(world_size, interleave, length):
-    owner, local_index = dcp_slot_owner(torch.arange(length), world_size, interleave)
-    for rank in range(world_size):
-        mine = local_index[owner == rank]
-        expected = int(dcp_local_seq_lens(torch.tensor(length), world_size, rank,
-                                          interleave))
+    owner, local_index = DCPLayout(world_size, 0, interleave).owner(
+        torch.arange(length))
+    for layout in DCPLayout(world_size, 0, interleave).ranks():
+        mine = local_index[owner == layout.rank]
+        expected = int(layout.local_seq_lens(torch.tensor(length)))
         assert mine.numel() == expected
         # A rank's local indices are 0..n-1 in position order.
         assert torch.equal(mine, torch.arange(expected))
@@ -87,8 +108,8 @@ def test_build_flat_decode_matches_loop(data, world_size, interleave, causal, pa
     table = torch.randint(1, 100, (num_reqs, 5), dtype=torch.int32)
     num_rows = sum(query_lens) + padding
     flat = build_flat_decode(torch.tensor(seq_lens, dtype=torch.int32), qsl, table,
-                             world_size=world_size, rank=world_size - 1,
-                             interleave=interleave, causal=causal, num_rows=num_rows)
+                             layout=DCPLayout(world_size, world_size - 1, interleave),
+                             causal=causal, num_rows=num_rows)
     expected = _flat_by_loop(seq_lens, query_lens, world_size, world_size - 1,
                              interleave, causal, num_rows)
     assert flat.row_to_req.tolist() == [r for r, _, _ in expected]
@@ -109,8 +130,8 @@ def test_build_flat_decode_writes_into_buffers():
     seq_lens = torch.tensor([40, 3], dtype=torch.int32)
     qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
     table = torch.arange(10, dtype=torch.int32).view(2, 5)
-    flat = build_flat_decode(seq_lens, qsl, table, world_size=2, rank=1,
-                             interleave=1, causal=True, num_rows=8, out=out)
+    flat = build_flat_decode(seq_lens, qsl, table, layout=DCPLayout(2, 1, 1),
+                             causal=True, num_rows=8, out=out)
     assert flat.seq_lens.data_ptr() == out.seq_lens.data_ptr()
     assert flat.block_table.data_ptr() == out.block_table.data_ptr()
     assert flat.block_table.shape == (8, 5)
@@ -130,8 +151,8 @@ def test_request_shorter_than_its_query_has_empty_rows(causal, rank):
     seq_lens = torch.tensor([0, 2], dtype=torch.int32)
     qsl = torch.tensor([0, 4, 8], dtype=torch.int32)
     table = torch.arange(1, 5, dtype=torch.int32).view(2, 2)
-    flat = build_flat_decode(seq_lens, qsl, table, world_size=2, rank=rank,
-                             interleave=1, causal=causal, num_rows=8)
+    flat = build_flat_decode(seq_lens, qsl, table, layout=DCPLayout(2, rank, 1),
+                             causal=causal, num_rows=8)
     if causal:
         expected_global = [0, 0, 0, 0, 0, 0, 1, 2]
     else:
@@ -204,15 +225,15 @@ def test_sharded_merged_equals_full_attention(world_size, interleave, block_size
         ref_out, ref_lse = full_attention(batch, causal=causal)
         gen = torch.Generator().manual_seed(case)
         shards = shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
-                                world_size=world_size, interleave=interleave,
+                                layout=DCPLayout(world_size, interleave=interleave),
                                 generator=gen)
         padded_rows = int(batch.query_start_loc[-1]) + 3  # CUDA-graph padding
         q = torch.cat([batch.q, torch.randn(3, *batch.q.shape[1:])])
         outs, lses = [], []
         for rank, (cache, table) in enumerate(shards):
             flat = build_flat_decode(batch.seq_lens, batch.query_start_loc, table,
-                                     world_size=world_size, rank=rank,
-                                     interleave=interleave, causal=causal,
+                                     layout=DCPLayout(world_size, rank, interleave),
+                                     causal=causal,
                                      num_rows=padded_rows)
             out, lse = mla_decode_reference(q, cache, flat.block_table, flat.seq_lens,
                                             kv_lora_rank=KV_LORA_RANK,
@@ -230,7 +251,7 @@ def test_sharded_merged_equals_full_attention(world_size, interleave, block_size
 def test_some_rank_holds_no_kv():
     """Sequences shorter than W*I leave whole ranks without KV."""
     seq_lens = torch.tensor([3, 17], dtype=torch.int32)
-    lens = dcp_local_seq_lens(seq_lens, 8, torch.arange(8)[:, None], 16)
+    lens = DCPLayout(8, 0, 16).local_seq_lens(seq_lens, rank=torch.arange(8)[:, None])
     assert lens[:, 0].tolist() == [3, 0, 0, 0, 0, 0, 0, 0]
     assert lens[:, 1].tolist() == [16, 1, 0, 0, 0, 0, 0, 0]
 
@@ -239,9 +260,10 @@ def test_shard_paged_kv_places_every_token():
     batch = random_decode_batch([100, 7], [1, 1], block_size=16)
     for world_size, interleave in itertools.product([2, 4], [1, 16]):
         shards = shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
-                                world_size=world_size, interleave=interleave)
+                                layout=DCPLayout(world_size, interleave=interleave))
         for req, seq_len in enumerate(batch.seq_lens.tolist()):
-            owner, local = dcp_slot_owner(torch.arange(seq_len), world_size, interleave)
+            owner, local = DCPLayout(world_size, 0, interleave).owner(
+                torch.arange(seq_len))
             for p in range(seq_len):
                 cache, table = shards[int(owner[p])]
                 j = int(local[p])
