@@ -32,26 +32,14 @@ import sys
 
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import (
-    build_flat_decode, merge_partials, mla_decode_reference, shard_paged_kv)
+from vllm.v1.attention.ops.dcp_decode import build_flat_decode, mla_decode_reference
+from vllm.v1.attention.ops.dcp_simulated_ranks import (decode_on_simulated_ranks,
+                                                       random_paged_kv)
 from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
 from vllm.v1.attention.ops.triton_dcp_metadata import (
     build_flat_decode_triton, build_grouped_decode)
 
 DV, DR = 512, 64
-
-
-def make_batch(lens, page, gen):
-    blocks = [-(-n // page) for n in lens]
-    cache = torch.randn(sum(blocks) + 1, page, DV + DR, generator=gen)
-    cache[0] = float("nan")
-    ids = torch.randperm(sum(blocks), generator=gen) + 1
-    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    s = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = ids[s:s + n]
-        s += n
-    return cache, table, torch.tensor(lens, dtype=torch.int32)
 
 
 def plant_off_by_one(flat, num_rows):
@@ -100,7 +88,7 @@ def run_case(heads, world, inter, causal, qpass, args, ws, scale, dtype, dev,
     qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
     rows = int(qsl[-1]) + 3                     # 3 padding rows
-    cache, table, seq = make_batch(lens, args.page, gen)
+    cache, table, seq = random_paged_kv(lens, args.page, generator=gen)
     cache = cache.to(dtype)
     q = torch.randn(rows, heads, DV + DR, generator=gen)
     if qpass == "flat":
@@ -114,12 +102,10 @@ def run_case(heads, world, inter, causal, qpass, args, ws, scale, dtype, dev,
         full.seq_lens.to(dev), kv_lora_rank=DV, scale=scale)
     delta = min_key_weight(qd, cache.to(dev), table.to(dev), seq, qsl, full,
                            ref_lse, scale)
-    shards = shard_paged_kv(cache, table, seq, world_size=world,
-                            interleave=inter, generator=gen)
+    shard_rng = gen.get_state()  # every mode gets the same local block ids
     ok = True
     for mode in ("flat", "grouped", "prefix"):
-        outs, lses = [], []
-        for rank, (lc, lt) in enumerate(shards):
+        def decode_rank(rank, lc, lt):
             lt = lt.to(dev)
             flat = build_flat_decode_triton(
                 seq.to(dev), qsl.to(dev), lt, world_size=world, rank=rank,
@@ -138,9 +124,13 @@ def run_case(heads, world, inter, causal, qpass, args, ws, scale, dtype, dev,
             out = torch.full((rows, heads, DV), float("nan"), dtype=dtype, device=dev)
             lse = torch.full((rows, heads), float("nan"), device=dev)
             mla.run(qd, lc.to(dev), out=out, lse=lse)
-            outs.append(out)
-            lses.append(lse)
-        o, l = merge_partials(torch.stack(outs), torch.stack(lses))
+            return out, lse
+
+        shard_gen = torch.Generator()
+        shard_gen.set_state(shard_rng)
+        o, l = decode_on_simulated_ranks(cache, table, seq, decode_rank,
+                                         world_size=world, interleave=inter,
+                                         generator=shard_gen)
         has = full.seq_lens.to(dev) > 0
         err = (o.float() - ref_out.float()).abs().max().item()
         rel = ((o.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
@@ -183,7 +173,7 @@ def main():
 
     # LSE base, straight from FlashInfer (W = 1, no masking differences).
     gen = torch.Generator().manual_seed(7)
-    cache, table, seq = make_batch([700, 64, 3000], args.page, gen)
+    cache, table, seq = random_paged_kv([700, 64, 3000], args.page, generator=gen)
     qsl = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     q = torch.randn(3, 16, DV + DR, generator=gen)
     ref_out, ref_lse = mla_decode_reference(q.to(dev).to(dtype).float(),

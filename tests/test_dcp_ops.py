@@ -21,6 +21,7 @@ from vllm.v1.attention.ops.dcp_decode import (
     mla_decode_reference,
     shard_paged_kv,
 )
+from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
 
 WORLD_SIZES = [1, 2, 4, 8]
 INTERLEAVES = [1, 16, 64]
@@ -202,14 +203,10 @@ def test_sharded_merged_equals_full_attention(world_size, interleave, block_size
         batch = random_decode_batch(seq_lens, query_lens, block_size=block_size,
                                     seed=case)
         ref_out, ref_lse = full_attention(batch, causal=causal)
-        gen = torch.Generator().manual_seed(case)
-        shards = shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
-                                world_size=world_size, interleave=interleave,
-                                generator=gen)
         padded_rows = int(batch.query_start_loc[-1]) + 3  # CUDA-graph padding
         q = torch.cat([batch.q, torch.randn(3, *batch.q.shape[1:])])
-        outs, lses = [], []
-        for rank, (cache, table) in enumerate(shards):
+
+        def decode_rank(rank, cache, table):
             flat = build_flat_decode(batch.seq_lens, batch.query_start_loc, table,
                                      world_size=world_size, rank=rank,
                                      interleave=interleave, causal=causal,
@@ -218,9 +215,12 @@ def test_sharded_merged_equals_full_attention(world_size, interleave, block_size
                                             kv_lora_rank=KV_LORA_RANK,
                                             scale=batch.scale)
             assert torch.all(lse[flat.empty] == float("-inf"))
-            outs.append(out)
-            lses.append(lse)
-        out, lse = merge_partials(torch.stack(outs), torch.stack(lses))
+            return out, lse
+
+        out, lse = decode_on_simulated_ranks(
+            batch.kv_cache, batch.block_table, batch.seq_lens, decode_rank,
+            world_size=world_size, interleave=interleave,
+            generator=torch.Generator().manual_seed(case))
         real = ref_out.shape[0]
         torch.testing.assert_close(out[:real], ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse[:real], ref_lse, atol=1e-5, rtol=1e-5)
