@@ -10,7 +10,7 @@ q_len 4.
 Local merge only: the all-to-all / all-gather that brings the partials
 together is not timed. The Triton merge is checked against merge_partials.
 
-Example: python benchmarks/combine.py --out-dir benchmarks/results
+Example: python -m benchmarks.combine --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -19,17 +19,14 @@ import argparse
 import itertools
 import math
 import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import environment, print_table, time_ms, write_csv  # noqa: E402
-
-from vllm.v1.attention.ops.dcp_decode import merge_partials  # noqa: E402
+from benchmarks._common import environment, print_table, time_ms, write_csv
+from vllm.v1.attention.ops.dcp_decode import merge_partials
 
 
 @triton.jit
@@ -121,8 +118,7 @@ def main():
         del outs, lses, outs_r, lses_r
     layer = {}
     try:
-        sys.path.insert(0, os.path.dirname(__file__))
-        from metadata import layer_decode_ms
+        from benchmarks.metadata import layer_decode_ms
         for heads in args.heads:
             # Grouped rows: the faster (so stricter) layer reference.
             layer[heads] = layer_decode_ms(64, 32768, heads, 8, args.q_len,

@@ -23,7 +23,7 @@ step (max over ranks) against W = 1 native. Kernel time only (CUDA-graph
 replay of the wrapper's run; the adapter's LSE scaling and empty-row masking
 add two small elementwise kernels).
 
-Example: python benchmarks/decode.py --out-dir benchmarks/results
+Example: python -m benchmarks.decode --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -32,18 +32,15 @@ import argparse
 import itertools
 import math
 import os
-import sys
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import (copy_bandwidth_tbs, environment, print_table,  # noqa: E402
-                     random_paged_tables, time_ms, write_csv)
-
-from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens  # noqa: E402
-from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA  # noqa: E402
-from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
+from benchmarks._common import (copy_bandwidth_tbs, environment, print_table,
+                                random_paged_tables, time_ms, write_csv)
+from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens
+from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
+from vllm.v1.attention.ops.triton_dcp_metadata import (
     build_flat_decode_triton, build_grouped_decode)
 
 DV, DR, PAGE = 512, 64, 64

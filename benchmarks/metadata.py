@@ -11,7 +11,7 @@ For reference it also times one FlashInfer sm90 MLA layer decode at batch 64,
 ctx 32K (per rank, W = 8 and W = 1) when flashinfer imports, and reports the
 metadata build as a fraction of it.
 
-Example: python benchmarks/metadata.py --out-dir benchmarks/results
+Example: python -m benchmarks.metadata --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -20,17 +20,14 @@ import argparse
 import itertools
 import math
 import os
-import sys
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import environment, print_table, time_ms, write_csv  # noqa: E402
-
-from vllm.v1.attention.ops.dcp_decode import (  # noqa: E402
+from benchmarks._common import environment, print_table, time_ms, write_csv
+from vllm.v1.attention.ops.dcp_decode import (
     alloc_flat_decode, build_flat_decode, dcp_local_seq_lens)
-from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
+from vllm.v1.attention.ops.triton_dcp_metadata import (
     alloc_grouped_decode, build_flat_decode_triton, build_grouped_decode)
 
 

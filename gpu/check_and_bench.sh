@@ -22,21 +22,21 @@ if [ "$MODE" != bench ]; then  # all, check, decode
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_dcp_metadata.py \
     tests/test_flashinfer_sm90_adapter.py 2>&1 | tail -15
   step check_flashinfer
-  timeout 170 python3 gpu/check_flashinfer.py --csv $RES/check_flashinfer.csv 2>&1 \
+  timeout 170 python3 -m gpu.check_flashinfer --csv $RES/check_flashinfer.csv 2>&1 \
     | grep -v Warning
   echo "check rc=${PIPESTATUS[0]}"
 fi
 if [ "$MODE" = decode ]; then
   step decode
-  timeout 260 python3 benchmarks/decode.py --out-dir $RES 2>&1 | grep -v "it/s\]"
+  timeout 260 python3 -m benchmarks.decode --out-dir $RES 2>&1 | grep -v "it/s\]"
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   step metadata
-  timeout 120 python3 benchmarks/metadata.py --out-dir $RES 2>&1 | grep -v "it/s\]"
+  timeout 120 python3 -m benchmarks.metadata --out-dir $RES 2>&1 | grep -v "it/s\]"
   step decode
-  timeout 260 python3 benchmarks/decode.py --out-dir $RES 2>&1 | grep -v "it/s\]"
+  timeout 260 python3 -m benchmarks.decode --out-dir $RES 2>&1 | grep -v "it/s\]"
   step combine
-  timeout 80 python3 benchmarks/combine.py --out-dir $RES 2>&1 | grep -v "it/s\]"
+  timeout 80 python3 -m benchmarks.combine --out-dir $RES 2>&1 | grep -v "it/s\]"
 fi
 step done
 tar czf $OUT/results.tar.gz -C $RES .

@@ -28,22 +28,22 @@ for v in "$@"; do
   timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_flashinfer_sm90_adapter.py \
     tests/test_triton_dcp_metadata.py 2>&1 | tail -6
   step "$v check_flashinfer"
-  timeout 240 python3 gpu/check_flashinfer.py --csv $RES/check_$v.csv 2>&1 | grep -v -i warn \
+  timeout 240 python3 -m gpu.check_flashinfer --csv $RES/check_$v.csv 2>&1 | grep -v -i warn \
     | tee $RES/check_$v.txt | tail -4
   echo "check rc=${PIPESTATUS[0]}"
   step "$v check_graph"
-  timeout 200 python3 gpu/check_graph.py 2>&1 | grep -v -i warn | tee $RES/graph_$v.txt
+  timeout 200 python3 -m gpu.check_graph 2>&1 | grep -v -i warn | tee $RES/graph_$v.txt
   echo "graph rc=${PIPESTATUS[0]}"
 done
 if [ "${PLANT:-0}" = 1 ] && [ -n "$FIRST" ]; then
   export PYTHONPATH=/tmp/fi_$FIRST:. FLASHINFER_WORKSPACE_BASE=/tmp/fiws_$FIRST
   step "planted off-by-one ($FIRST)"
-  timeout 150 python3 gpu/check_flashinfer.py --heads 16 --world 2 4 --interleave 1 16 \
+  timeout 150 python3 -m gpu.check_flashinfer --heads 16 --world 2 4 --interleave 1 16 \
     --plant-off-by-one --csv $RES/check_planted.csv 2>&1 | grep -v -i warn \
     | tee $RES/check_planted.txt | tail -28
   echo "planted check rc=${PIPESTATUS[0]} (must be 1)"
   step "planted non-graph FlashInfer wrapper ($FIRST)"
-  timeout 100 python3 gpu/check_graph.py --heads 16 --world 2 --batches 3 \
+  timeout 100 python3 -m gpu.check_graph --heads 16 --world 2 --batches 3 \
     --plant-plain-wrapper 2>&1 | grep -v -i warn | tee $RES/graph_planted.txt
   echo "planted graph rc=${PIPESTATUS[0]} (must be 1)"
 fi
