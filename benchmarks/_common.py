@@ -109,7 +109,13 @@ def print_table(rows: list[dict], cols: list[str], fmt: dict | None = None) -> s
 
 def random_paged_tables(num_reqs: int, kv_lens: torch.Tensor, page: int,
                         pool_pages: int, gen: torch.Generator) -> torch.Tensor:
-    """int32 [R, B] distinct random page ids in [1, pool_pages) per table."""
+    """int32 [R, B] distinct random page ids in [1, pool_pages) per table.
+
+    Timing only: tables into a preallocated pool of pages whose contents do
+    not matter, every column a real page. Correctness checks build a cache
+    with its contents and tables with ``random_paged_kv``
+    (``vllm/v1/attention/ops/dcp_simulated_ranks.py``).
+    """
     cols = max(int(((kv_lens + page - 1) // page).max()), 1)
     need = num_reqs * cols
     assert need < pool_pages, (need, pool_pages)

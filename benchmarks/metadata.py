@@ -24,7 +24,8 @@ import os
 import torch
 from tqdm import tqdm
 
-from benchmarks._common import environment, print_table, time_ms, write_csv
+from benchmarks._common import (environment, print_table, random_paged_tables,
+                                time_ms, write_csv)
 from vllm.v1.attention.ops.dcp_decode import (
     alloc_flat_decode, build_flat_decode, dcp_local_seq_lens)
 from vllm.v1.attention.ops.triton_dcp_metadata import (
@@ -54,8 +55,8 @@ def layer_decode_ms(batch, ctx, heads, world, q_len, page=64, grouped=False):
     cols = -(-local // page)
     pool = batch * cols + 1
     cache = torch.randn(pool, page, 576, device="cuda", dtype=torch.bfloat16)
-    table = (torch.randperm(pool - 1, generator=gen)[: batch * cols] + 1)
-    table = table.view(batch, cols).int().cuda()
+    table = random_paged_tables(batch, torch.full((batch,), local), page, pool,
+                                gen).cuda()
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_len
     flat = build_flat_decode_triton(seq, qsl, table, world_size=world, rank=0,
