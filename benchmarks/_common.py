@@ -1,5 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared helpers for the DCP benchmarks: timing, CSV/PNG output, tables."""
+"""Shared helpers for the DCP benchmarks: timing, CSV/PNG output, tables.
+
+Imported as ``benchmarks._common``: run the scripts from the repository root
+as modules (``python -m benchmarks.decode``, ``python -m gpu.check_graph``).
+"""
 
 from __future__ import annotations
 
@@ -26,6 +30,28 @@ def time_ms(fn, *, graph: bool = True, rep: int = 40) -> float:
             print(f"  (graph capture failed: {type(e).__name__}: {e}; eager)")
             torch.cuda.synchronize()
     return float(tt.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+def cuda_event_median_ms(fn, reps: int = 50, *, warmup: int = 3) -> float:
+    """Median time of one eager ``fn()`` in ms from CUDA events.
+
+    Back-to-back calls with no cache flush between them (what one decode step
+    sees in a serving loop), unlike ``time_ms``'s flushed Triton timing.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
 
 
 def copy_bandwidth_tbs(num_bytes: int = 2 << 30) -> float:
@@ -83,7 +109,13 @@ def print_table(rows: list[dict], cols: list[str], fmt: dict | None = None) -> s
 
 def random_paged_tables(num_reqs: int, kv_lens: torch.Tensor, page: int,
                         pool_pages: int, gen: torch.Generator) -> torch.Tensor:
-    """int32 [R, B] distinct random page ids in [1, pool_pages) per table."""
+    """int32 [R, B] distinct random page ids in [1, pool_pages) per table.
+
+    Timing only: tables into a preallocated pool of pages whose contents do
+    not matter, every column a real page. Correctness checks build a cache
+    with its contents and tables with ``random_paged_kv``
+    (``vllm/v1/attention/ops/dcp_simulated_ranks.py``).
+    """
     cols = max(int(((kv_lens + page - 1) // page).max()), 1)
     need = num_reqs * cols
     assert need < pool_pages, (need, pool_pages)

@@ -23,7 +23,7 @@ outputs summed over ranks). Also reported against one layer of the sm90
 decode (FA3 prefix + tails, batch 64, ctx 32K, W = 8, rank 0) when
 flashinfer imports.
 
-    python3 benchmarks/combine.py --out-dir DIR     # DIR/combine.csv
+    python -m benchmarks.combine --out-dir DIR     # DIR/combine.csv
 """
 
 from __future__ import annotations
@@ -31,16 +31,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import environment, print_table, time_ms, write_csv  # noqa: E402
-
-from vllm.v1.attention.ops.dcp_decode import merge_partials  # noqa: E402
+from benchmarks._common import environment, print_table, time_ms, write_csv
+from vllm.v1.attention.ops.dcp_decode import merge_partials
 
 DV = 512
 
@@ -126,7 +123,7 @@ def main():
     print(environment())
     layer_us = {}
     try:
-        from metadata import layer_decode_ms
+        from benchmarks.metadata import layer_decode_ms
         for heads in args.heads:
             layer_us[heads] = layer_decode_ms(64, 32768, heads, 8, args.q_len) * 1e3
     except Exception as e:  # noqa: BLE001 - no flashinfer

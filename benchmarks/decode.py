@@ -19,7 +19,7 @@ the per-rank ratio prefix/native, and the time of a W-rank step (max over
 ranks) against W = 1 native. Kernel time only (CUDA-graph replay of the run;
 the native baseline is FlashInfer's bare run).
 
-Example: python benchmarks/decode.py --out-dir benchmarks/results
+Example: python -m benchmarks.decode --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -28,20 +28,16 @@ import argparse
 import itertools
 import math
 import os
-import sys
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import (copy_bandwidth_tbs, environment, print_table,  # noqa: E402
-                     random_paged_tables, time_ms, write_csv)
-
-from vllm.v1.attention.ops.dcp_decode import DCPLayout  # noqa: E402
-from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA  # noqa: E402
-from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
-    build_flat_decode_triton)
-from fa3_native import NativeFA3MLA, plan_prefix_tail_from_rows  # noqa: E402
+from benchmarks._common import (copy_bandwidth_tbs, environment, print_table,
+                                random_paged_tables, time_ms, write_csv)
+from benchmarks.fa3_native import NativeFA3MLA, plan_prefix_tail_from_rows
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
+from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
+from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
 
 DV, DR, PAGE = 512, 64, 64
 KV_BYTES_PER_TOKEN = (DV + DR) * 2

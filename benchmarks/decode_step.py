@@ -12,7 +12,7 @@ kernel times (torch.profiler over eager steps), the host+device plan time,
 and FlashInfer's own no-DCP causal decode over the same local KV (one layer).
 Layers cycle over enough distinct caches to keep every layer's KV out of L2.
 
-    python benchmarks/decode_step.py --out-dir DIR
+    python -m benchmarks.decode_step --out-dir DIR
 """
 
 from __future__ import annotations
@@ -24,29 +24,15 @@ import time
 
 import torch
 
+from benchmarks._common import cuda_event_median_ms as time_ms
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, alloc_flat_decode
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
-from fa3_native import NativeFA3MLA
+from benchmarks.fa3_native import NativeFA3MLA
 
 DV, DR, PAGE = 512, 64, 64
 HBM_TBPS = 4.25  # measured copy bandwidth here
-
-
-def time_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def kernel_ms(fn, iters=3):

@@ -8,8 +8,10 @@ configuration as its own ``vllm.LLM`` (``tests/engine/greedy_run.py``: greedy,
 float32, eager) with ``VLLM_DCP_CPU_MRV2=1`` (Model Runner V2 in Triton's
 interpreter, vLLM's DSpark speculator)::
 
-    python benchmarks/dspark_cpu.py                       # -tp 2 -dcp 2
-    python benchmarks/dspark_cpu.py --configs tp1 tp1-nospec tp2-dcp2 tp2-dcp2-i16
+    python -m benchmarks.dspark_cpu                       # -tp 2 -dcp 2
+    python -m benchmarks.dspark_cpu --configs tp1 tp1-nospec tp2-dcp2 tp2-dcp2-i16
+
+(from the repository root: the tiny models are imported from ``tests``).
 
 A configuration is ``tp<N>[-dcp<M>][-i<I>][-nospec]``. Prints one JSON line
 per configuration and a table: generated tokens/s (all prompts, wall time of
@@ -30,8 +32,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "tests" / "engine"))
 
 
 def parse_config(name: str) -> dict:
@@ -53,8 +53,8 @@ def make_prompts(num: int, seed: int = 0) -> list[list[int]]:
 
 
 def build_models(workdir: Path, prompts, max_tokens: int) -> tuple[Path, Path]:
-    from tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
-    from tiny_mla import build_tiny_mla_checkpoint, hf_greedy
+    from tests.tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
+    from tests.tiny_mla import build_tiny_mla_checkpoint, hf_greedy
 
     target = build_tiny_mla_checkpoint(workdir / "target")
     continuations = hf_greedy(target, prompts, max_tokens)
@@ -67,7 +67,7 @@ def build_models(workdir: Path, prompts, max_tokens: int) -> tuple[Path, Path]:
 
 def run_config(config: dict, target: Path, draft: Path, prompts_file: Path,
                max_tokens: int, max_num_seqs: int) -> dict:
-    from greedy_run import cpu_engine_env
+    from tests.engine.greedy_run import cpu_engine_env
 
     env = dict(os.environ, **cpu_engine_env(config["tp"]),
                VLLM_DCP_CPU_MRV2="1")

@@ -5,7 +5,7 @@ Runs lm-eval (0.4.13) with its ``local-completions`` model against
 ``--base-url`` and GSM8K read from local JSONL files, so it works on machines
 with no hub access::
 
-    python benchmarks/gsm8k.py --base-url http://127.0.0.1:8000/v1 \
+    python -m benchmarks.gsm8k --base-url http://127.0.0.1:8000/v1 \
         [--data-dir ../shared/data/gsm8k] [--limit 200] [--num-concurrent 32]
 
 The data folder holds ``test.jsonl`` and ``train.jsonl`` (fields ``question``

@@ -12,7 +12,7 @@ FA3 prefix segments + Triton tails) at batch 64, ctx 32K (per rank, W = 8 and
 W = 1) when flashinfer imports, and reports the metadata build as a fraction
 of it.
 
-Example: python benchmarks/metadata.py --out-dir benchmarks/results
+Example: python -m benchmarks.metadata --out-dir benchmarks/results
 """
 
 from __future__ import annotations
@@ -21,18 +21,15 @@ import argparse
 import itertools
 import math
 import os
-import sys
 
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from _common import environment, print_table, time_ms, write_csv  # noqa: E402
-
-from vllm.v1.attention.ops.dcp_decode import (  # noqa: E402
+from benchmarks._common import (environment, print_table, random_paged_tables,
+                                time_ms, write_csv)
+from vllm.v1.attention.ops.dcp_decode import (
     DCPLayout, alloc_flat_decode, build_flat_decode)
-from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
-    build_flat_decode_triton)
+from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
 
 
 def upstream_expand(seq_lens, qsl, block_table, *, world_size, rank,
@@ -53,15 +50,15 @@ def upstream_expand(seq_lens, qsl, block_table, *, world_size, rank,
 def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
     """One layer of the backend's sm90 decode (FA3 prefix segments + Triton
     tails, causal) on rank 0's local KV, CUDA-graph replay."""
-    from fa3_native import plan_prefix_tail_from_rows
+    from benchmarks.fa3_native import plan_prefix_tail_from_rows
     from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
     gen = torch.Generator().manual_seed(0)
     local = int(DCPLayout(world).local_seq_lens(torch.tensor(ctx)))
     cols = -(-local // page)
     pool = batch * cols + 1
     cache = torch.randn(pool, page, 576, device="cuda", dtype=torch.bfloat16)
-    table = (torch.randperm(pool - 1, generator=gen)[: batch * cols] + 1)
-    table = table.view(batch, cols).int().cuda()
+    table = random_paged_tables(batch, torch.full((batch,), local), page, pool,
+                                gen).cuda()
     seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_len
     flat = build_flat_decode_triton(seq, qsl, table, layout=DCPLayout(world),

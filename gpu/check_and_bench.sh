@@ -28,15 +28,15 @@ if [ "$MODE" != bench ]; then  # all, check, decode
 fi
 if [ "$MODE" = decode ]; then
   step decode
-  timeout 260 python3 benchmarks/decode.py --out-dir $RES 2>&1 | grep -v "it/s\]"
+  timeout 260 python3 -m benchmarks.decode --out-dir $RES 2>&1 | grep -v "it/s\]"
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   step metadata
-  timeout 120 python3 benchmarks/metadata.py --out-dir $RES 2>&1 | grep -v "it/s\]"
+  timeout 120 python3 -m benchmarks.metadata --out-dir $RES 2>&1 | grep -v "it/s\]"
   step decode
-  timeout 260 python3 benchmarks/decode.py --out-dir $RES 2>&1 | grep -v "it/s\]"
+  timeout 260 python3 -m benchmarks.decode --out-dir $RES 2>&1 | grep -v "it/s\]"
   step combine
-  timeout 80 python3 benchmarks/combine.py --out-dir $RES 2>&1 | grep -v "it/s\]"
+  timeout 80 python3 -m benchmarks.combine --out-dir $RES 2>&1 | grep -v "it/s\]"
 fi
 step done
 tar czf $OUT/results.tar.gz -C $RES .

@@ -25,9 +25,10 @@ import sys
 
 import torch
 
+from benchmarks._common import cuda_event_median_ms as time_ms
 from vllm.v1.attention.ops.dcp_decode import (
-    DCPLayout, alloc_flat_decode, build_flat_decode, merge_partials, mla_decode_reference,
-    shard_paged_kv)
+    DCPLayout, alloc_flat_decode, build_flat_decode, merge_partials, mla_decode_reference)
+from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
@@ -184,22 +185,6 @@ def run_config(heads, world, inter, causal, args, dev):
     t_eager = time_ms(eager_fn)
     t_graph = time_ms(st["graph"].replay)
     return ok, worst, t_eager, t_graph
-
-
-def time_ms(fn, reps=50):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():

@@ -33,13 +33,13 @@ for v in "$@"; do
     tests/gpu/test_flashinfer_sm90_dcp.py 2>&1 | tee $RES/check_$v.txt | tail -4
   echo "check rc=${PIPESTATUS[0]}"
   step "$v check_graph"
-  timeout 200 python3 gpu/check_graph.py 2>&1 | grep -v -i warn | tee $RES/graph_$v.txt
+  timeout 200 python3 -m gpu.check_graph 2>&1 | grep -v -i warn | tee $RES/graph_$v.txt
   echo "graph rc=${PIPESTATUS[0]}"
 done
 if [ "${PLANT:-0}" = 1 ] && [ -n "$FIRST" ]; then
   export PYTHONPATH=/tmp/fi_$FIRST:. FLASHINFER_WORKSPACE_BASE=/tmp/fiws_$FIRST
   step "planted non-graph FlashInfer wrapper ($FIRST)"
-  timeout 100 python3 gpu/check_graph.py --heads 16 --world 2 --batches 3 \
+  timeout 100 python3 -m gpu.check_graph --heads 16 --world 2 --batches 3 \
     --plant-plain-wrapper 2>&1 | grep -v -i warn | tee $RES/graph_planted.txt
   echo "planted graph rc=${PIPESTATUS[0]} (must be 1)"
 fi

@@ -233,7 +233,8 @@ def shard_layers(batches, world_size, interleave):
     """Each layer's per-rank ``(cache, table)``; every layer gets the same
     local block tables (the shuffle is seeded), as one KV-cache group's
     layers do."""
-    from vllm.v1.attention.ops.dcp_decode import DCPLayout, shard_paged_kv
+    from vllm.v1.attention.ops.dcp_decode import DCPLayout
+    from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv
 
     per_layer = [shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
                                 layout=DCPLayout(world_size, interleave=interleave),

@@ -2,7 +2,9 @@
 """Full MLA attention without DCP, written independently of the ops layer.
 
 Dense, per request and per query token, over a contiguous copy of the
-request's KV: the yardstick that sharded-and-merged decode must equal.
+request's KV: the yardstick that sharded-and-merged decode must equal. Only
+the random input batch comes from the ops layer (``random_paged_kv``, shared
+with the simulator and the device check).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vllm.v1.attention.ops.dcp_simulated_ranks import random_paged_kv
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -37,20 +41,13 @@ def random_decode_batch(seq_lens, query_lens, *, block_size, num_heads=4,
                         seed=0, extra_blocks=1) -> DecodeBatch:
     """Shuffled block ids, unused table entries pointing at the null block 0."""
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in seq_lens]
-    max_blocks = max(blocks + [1]) + extra_blocks
-    kv_cache = torch.randn(sum(blocks) + 1, block_size, LATENT, generator=gen)
-    kv_cache[0] = float("nan")
-    ids = (torch.randperm(sum(blocks), generator=gen) + 1).tolist()
-    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    for i, n in enumerate(blocks):
-        table[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
-        ids = ids[n:]
+    paged = random_paged_kv(seq_lens, block_size, generator=gen, width=LATENT,
+                            extra_blocks=extra_blocks)
     qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
     q = torch.randn(int(qsl[-1]), num_heads, LATENT, generator=gen)
-    return DecodeBatch(kv_cache, table, torch.tensor(seq_lens, dtype=torch.int32),
-                       qsl, q, scale=0.0721)
+    return DecodeBatch(paged.kv_cache, paged.block_table, paged.seq_lens, qsl, q,
+                       scale=0.0721)
 
 
 def full_attention(batch: DecodeBatch, *, causal: bool):

@@ -48,27 +48,25 @@ def test_cpu_backend_follows_the_device_layout(tmp_path, interleave):
     from builder_harness import common_metadata, make_builder
     from dense_reference import full_attention, random_decode_batch
     from vllm.v1.attention.backends.mla.cpu_dcp_mla import CPUDCPMLAMetadataBuilder
-    from vllm.v1.attention.ops import dcp_decode
     from vllm.v1.attention.ops.dcp_decode import DCPLayout
+    from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
 
     batch = random_decode_batch(SEQ_LENS, DEVICE_QUERY_LENS, block_size=16,
                                 num_heads=4, seed=5)
     ref_out, ref_lse = full_attention(batch, causal=True)
-    shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens,
-                                       layout=DCPLayout(2, interleave=interleave))
-    outs, lses = [], []
-    for rank, (cache, table) in enumerate(shards):
-        with dcp_context(tmp_path, 2, rank, interleave, num_spec=4) as config:
+
+    def decode_rank(layout, cache, table):
+        with dcp_context(tmp_path, 2, layout.rank, interleave, num_spec=4) as config:
             impl = make_impl(batch.scale)
             builder = make_builder(CPUDCPMLAMetadataBuilder, config)
         common = common_metadata(SEQ_LENS, DEVICE_QUERY_LENS, table, world_size=2,
-                                 rank=rank, interleave=interleave, **MISMATCH)
+                                 rank=layout.rank, interleave=interleave, **MISMATCH)
         metadata = builder.build(0, common)
-        out, lse = impl.forward_mqa(batch.q, cache, metadata, None)
-        outs.append(out)
-        lses.append(lse)
-    out, lse = dcp_decode.merge_partials(torch.stack(outs), torch.stack(lses))
+        return impl.forward_mqa(batch.q, cache, metadata, None)
+
+    out, lse = decode_on_simulated_ranks(batch.kv_cache, batch.block_table,
+                                         batch.seq_lens, decode_rank,
+                                         layout=DCPLayout(2, interleave=interleave))
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 

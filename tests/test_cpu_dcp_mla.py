@@ -27,6 +27,7 @@ from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
 from vllm.v1.attention.backends.mla.dcp_plugin import register
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
+from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
 
 NUM_HEADS = 4
 
@@ -64,17 +65,16 @@ def make_impl(scale: float, impl_cls=CPUDCPMLAImpl):
         kv_b_proj=None)
 
 
-def vllm_combine(outs, lses):
+def vllm_combine(outs, lses, base_e=True):
     """vLLM's all-gather/rescale/reduce path, ranks in one process: each rank
     rescales its output with ``correct_attn_out`` (the plugin's CPU kernel)
-    and the reduce is a sum."""
+    and the reduce is a sum. ``outs`` [W, N, H, Dv], ``lses`` [W, N, H]."""
     from vllm.v1.attention.ops.dcp import correct_attn_out
 
-    all_lses = torch.stack(lses)
     corrected = []
-    for rank, out in enumerate(outs):
-        out_r, lse = correct_attn_out(out.clone(), all_lses.clone(), rank, None,
-                                      is_lse_base_on_e=True)
+    for rank in range(outs.shape[0]):
+        out_r, lse = correct_attn_out(outs[rank].clone(), lses.clone(), rank, None,
+                                      is_lse_base_on_e=base_e)
         corrected.append(out_r)
     return torch.stack(corrected).sum(0), lse
 
@@ -159,12 +159,9 @@ def test_forward_mqa_and_combine_give_full_attention(tmp_path, world_size,
     batch = random_decode_batch(seq_lens, query_lens, block_size=16,
                                 num_heads=NUM_HEADS, seed=world_size + interleave)
     ref_out, ref_lse = full_attention(batch, causal=causal)
-    shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens,
-                                       layout=DCPLayout(world_size,
-                                                        interleave=interleave))
-    outs, lses = [], []
-    for rank, (cache, table) in enumerate(shards):
+
+    def decode_rank(layout, cache, table):
+        rank = layout.rank
         with dcp_context(tmp_path, world_size, rank, interleave):
             impl = make_impl(batch.scale)
             builder = make_builder(CPUDCPMLAMetadataBuilder,
@@ -187,9 +184,13 @@ def test_forward_mqa_and_combine_give_full_attention(tmp_path, world_size,
         # Rows this rank holds nothing of must not enter the combine.
         assert torch.all(lse[decode.flat.empty] == float("-inf"))
         assert torch.isfinite(lse[~decode.flat.empty]).all()
-        outs.append(out)
-        lses.append(lse)
-    out, lse = vllm_combine(outs, lses)
+        return out, lse
+
+    out, lse = decode_on_simulated_ranks(batch.kv_cache, batch.block_table,
+                                         batch.seq_lens, decode_rank,
+                                         layout=DCPLayout(world_size,
+                                                          interleave=interleave),
+                                         merge=vllm_combine)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
@@ -208,7 +209,7 @@ def test_cpu_combine_matches_merge_partials_and_vllm_reference(base_e):
     lses[:, 3] = float("-inf")                      # a row no rank holds
     outs[1, 0] = float("nan")                       # its output is undefined
     outs[:, 3] = float("nan")
-    ours, our_lse = vllm_combine_base(outs, lses, base_e)
+    ours, our_lse = vllm_combine(outs, lses, base_e)
     merged, merged_lse = dcp_decode.merge_partials(outs, lses, lse_base_e=base_e)
     reference, reference_lse = _lse_weighted_combine(
         torch.nan_to_num(outs), lses, return_lse=True, is_lse_base_on_e=base_e)
@@ -217,17 +218,6 @@ def test_cpu_combine_matches_merge_partials_and_vllm_reference(base_e):
     torch.testing.assert_close(our_lse, merged_lse)
     torch.testing.assert_close(our_lse[:3], reference_lse[:3])
     assert torch.all(ours[3] == 0) and torch.all(our_lse[3] == float("-inf"))
-
-
-def vllm_combine_base(outs, lses, base_e):
-    from vllm.v1.attention.ops.dcp import correct_attn_out
-
-    corrected = []
-    for rank in range(outs.shape[0]):
-        out_r, lse = correct_attn_out(outs[rank].clone(), lses.clone(), rank, None,
-                                      is_lse_base_on_e=base_e)
-        corrected.append(out_r)
-    return torch.stack(corrected).sum(0), lse
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -19,6 +19,9 @@ from vllm.v1.attention.ops.dcp_decode import (
     build_flat_decode,
     merge_partials,
     mla_decode_reference,
+)
+from vllm.v1.attention.ops.dcp_simulated_ranks import (
+    decode_on_simulated_ranks,
     shard_paged_kv,
 )
 
@@ -223,25 +226,24 @@ def test_sharded_merged_equals_full_attention(world_size, interleave, block_size
         batch = random_decode_batch(seq_lens, query_lens, block_size=block_size,
                                     seed=case)
         ref_out, ref_lse = full_attention(batch, causal=causal)
-        gen = torch.Generator().manual_seed(case)
-        shards = shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
-                                layout=DCPLayout(world_size, interleave=interleave),
-                                generator=gen)
         padded_rows = int(batch.query_start_loc[-1]) + 3  # CUDA-graph padding
         q = torch.cat([batch.q, torch.randn(3, *batch.q.shape[1:])])
-        outs, lses = [], []
-        for rank, (cache, table) in enumerate(shards):
+
+        def decode_rank(layout, cache, table):
             flat = build_flat_decode(batch.seq_lens, batch.query_start_loc, table,
-                                     layout=DCPLayout(world_size, rank, interleave),
+                                     layout=layout,
                                      causal=causal,
                                      num_rows=padded_rows)
             out, lse = mla_decode_reference(q, cache, flat.block_table, flat.seq_lens,
                                             kv_lora_rank=KV_LORA_RANK,
                                             scale=batch.scale)
             assert torch.all(lse[flat.empty] == float("-inf"))
-            outs.append(out)
-            lses.append(lse)
-        out, lse = merge_partials(torch.stack(outs), torch.stack(lses))
+            return out, lse
+
+        out, lse = decode_on_simulated_ranks(
+            batch.kv_cache, batch.block_table, batch.seq_lens, decode_rank,
+            layout=DCPLayout(world_size, interleave=interleave),
+            generator=torch.Generator().manual_seed(case))
         real = ref_out.shape[0]
         torch.testing.assert_close(out[:real], ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse[:real], ref_lse, atol=1e-5, rtol=1e-5)

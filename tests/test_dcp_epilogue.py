@@ -16,15 +16,14 @@ from vllm.v1.attention.backends.mla.dcp_epilogue import (
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.dcp import _lse_weighted_combine, mask_dcp_empty_shards_
+from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv
 
 
 def _partials(batch, world_size, interleave, *, causal):
     """Each rank's (out, lse, rows, local per-request lens), with finite
     garbage where the kernel's result is undefined (no local KV for the row)."""
-    shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens,
-                                       layout=DCPLayout(world_size,
-                                                        interleave=interleave))
+    shards = shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
+                            layout=DCPLayout(world_size, interleave=interleave))
     result = []
     for rank, (cache, table) in enumerate(shards):
         rows = dcp_decode.build_flat_decode(

@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.mla.dcp_metadata import (
 )
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
+from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
 
 
 class VarlenDCPBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
@@ -77,12 +78,9 @@ def test_builder_rows_give_full_attention(tmp_path, world_size, interleave, caus
     seq_lens = [37, 5, 300, 18] if causal else [37, 7, 300, 18]
     batch = random_decode_batch(seq_lens, query_lens, block_size=16, seed=world_size)
     ref_out, ref_lse = full_attention(batch, causal=causal)
-    shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens,
-                                       layout=DCPLayout(world_size,
-                                                        interleave=interleave))
-    outs, lses = [], []
-    for rank, (cache, table) in enumerate(shards):
+
+    def decode_rank(layout, cache, table):
+        rank = layout.rank
         builder = _builder(tmp_path, world_size, rank, interleave,
                            non_causal=not causal)
         assert builder.dcp_rank == rank and builder.dcp_world_size == world_size
@@ -100,12 +98,14 @@ def test_builder_rows_give_full_attention(tmp_path, world_size, interleave, caus
         for field in ("seq_lens", "row_to_req", "global_seq_lens", "empty",
                       "query_start_loc", "block_table"):
             assert torch.equal(getattr(decode.flat, field), getattr(expected, field))
-        out, lse = dcp_decode.mla_decode_reference(
+        return dcp_decode.mla_decode_reference(
             batch.q, cache, decode.flat.block_table, decode.flat.seq_lens,
             kv_lora_rank=KV_LORA_RANK, scale=batch.scale)
-        outs.append(out)
-        lses.append(lse)
-    out, lse = dcp_decode.merge_partials(torch.stack(outs), torch.stack(lses))
+
+    out, lse = decode_on_simulated_ranks(batch.kv_cache, batch.block_table,
+                                         batch.seq_lens, decode_rank,
+                                         layout=DCPLayout(world_size,
+                                                          interleave=interleave))
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 

@@ -30,6 +30,8 @@ import fa3_native  # benchmarks/ (pytest's pythonpath)
 from vllm.v1.attention.ops import dcp_decode as dcp
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops import flashinfer_sm90_mla as fsm
+from vllm.v1.attention.ops.dcp_simulated_ranks import (decode_on_simulated_ranks,
+                                                       random_paged_kv)
 
 try:  # flashinfer asks the GPU for its properties at import
     from kernel_stubs import import_on_cpu
@@ -169,16 +171,7 @@ def _dcp_case(seed, causal, page=16, lens=(3, 40, 70, 9, 2)):
     q_lens = [2, 4, 0, 3, 2] if causal else [3, 3, 0, 3, 2]
     lens = list(lens)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    blocks = [-(-n // page) for n in lens]
-    cache = torch.randn(sum(blocks) + 1, page, 576, generator=gen)
-    cache[0] = float("nan")
-    ids = torch.randperm(sum(blocks), generator=gen) + 1
-    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = ids[start:start + n]
-        start += n
-    seq = torch.tensor(lens, dtype=torch.int32)
+    cache, table, seq = random_paged_kv(lens, page, generator=gen)
     q = torch.randn(int(qsl[-1]) + 2, heads, 576, generator=gen)  # 2 pad rows
     return cache, table, seq, qsl, q, page, heads
 
@@ -201,13 +194,10 @@ def _merged_dcp(causal, world, interleave, *, seed=0, lens=(3, 40, 70, 9, 2),
                                  num_rows=rows)
     ref = dcp.mla_decode_reference(q, cache, full.block_table, full.seq_lens,
                                    kv_lora_rank=512, scale=scale)
-    shards = dcp.shard_paged_kv(cache, table, seq,
-                                layout=DCPLayout(world, interleave=interleave),
-                                generator=torch.Generator().manual_seed(1))
-    outs, lses = [], []
-    for rank, (lc, lt) in enumerate(shards):
+
+    def decode_rank(layout, lc, lt):
         flat = dcp.build_flat_decode(seq.to(DEVICE), qsl.to(DEVICE), lt.to(DEVICE),
-                                     layout=DCPLayout(world, rank, interleave),
+                                     layout=layout,
                                      causal=causal,
                                      num_rows=rows)
         mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8, device=DEVICE),
@@ -216,9 +206,12 @@ def _merged_dcp(causal, world, interleave, *, seed=0, lens=(3, 40, 70, 9, 2),
         fa3_native.plan_prefix_tail_from_rows(mla, flat, qsl.to(DEVICE))
         out, lse = mla.run(q.to(DEVICE), lc.to(DEVICE))
         assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-        outs.append(out.cpu())
-        lses.append(lse.cpu())
-    return dcp.merge_partials(torch.stack(outs), torch.stack(lses)), ref
+        return out.cpu(), lse.cpu()
+
+    merged = decode_on_simulated_ranks(cache, table, seq, decode_rank,
+                                       layout=DCPLayout(world, interleave=interleave),
+                                       generator=torch.Generator().manual_seed(1))
+    return merged, ref
 
 
 @needs_triton

@@ -30,8 +30,8 @@ from builder_harness import common_metadata, fake_dcp_group, make_builder, make_
 from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
 from kernel_stubs import import_on_cpu
 from test_flashinfer_sm90_adapter import _FakeMeta, _FakeWrapper
-from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
+from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
 
 CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(
@@ -98,18 +98,17 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
     batch.kv_cache = batch.kv_cache.bfloat16().float()
     batch.kv_cache[0] = null
     ref_out, ref_lse = full_attention(batch, causal=causal)
-    shards = dcp_decode.shard_paged_kv(batch.kv_cache, batch.block_table,
-                                       batch.seq_lens,
-                                       layout=DCPLayout(world, interleave=interleave))
     config = make_vllm_config(tmp_path / "model", dcp=world, interleave=interleave,
                               block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC)
     config.model_config.dtype = torch.bfloat16
     layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     gen = torch.Generator().manual_seed(seed + 7)
-    outs, lses, plans = [], [], []
-    for rank, (cache, table) in enumerate(shards):
+    plans = []
+
+    def decode_rank(layout, cache, table):
         from vllm.config import set_current_vllm_config
 
+        rank = layout.rank
         with fake_dcp_group(world, rank), set_current_vllm_config(config):
             builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config,
                                    layer_names=layer_names, non_causal=not causal)
@@ -130,9 +129,11 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
             plans.append(sum(c[0] == "plan" for c in _FakeWrapper.calls) - before)
         for out, lse in results[1:]:
             assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
-        outs.append(results[0][0].float())
-        lses.append(results[0][1])
-    out, lse = dcp_decode.merge_partials(torch.stack(outs), torch.stack(lses))
+        return results[0][0].float(), results[0][1]
+
+    out, lse = decode_on_simulated_ranks(batch.kv_cache, batch.block_table,
+                                         batch.seq_lens, decode_rank,
+                                         layout=DCPLayout(world, interleave=interleave))
     real = int(batch.query_start_loc[-1])
     return out[:real], lse[:real], ref_out, ref_lse, plans
 

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+import gsm8k
+import serve_dcp_dspark as serve
 
-import gsm8k  # noqa: E402
-import serve_dcp_dspark as serve  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 # The offline GSM8K copy lives beside the project, never inside it.
 GSM8K_SLICE = (REPO.parent / "shared" / "data" / "gsm8k").resolve()

@@ -22,10 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from tiny_mla import build_tiny_mla_checkpoint, hf_greedy
 
-from tiny_mla import build_tiny_mla_checkpoint, hf_greedy  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 pytestmark = pytest.mark.engine
 
@@ -63,7 +62,7 @@ def prompts_file(tmp_path_factory) -> Path:
 
 
 def engine_env(tp: int) -> dict[str, str]:
-    from greedy_run import cpu_engine_env  # tests/engine on sys.path via pytest
+    from greedy_run import cpu_engine_env
 
     env = dict(os.environ)
     env.update(cpu_engine_env(tp))

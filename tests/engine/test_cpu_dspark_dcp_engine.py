@@ -38,12 +38,10 @@ from pathlib import Path
 import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
+from tiny_mla import build_tiny_mla_checkpoint
 
-from tiny_dspark import (bigram_successors,  # noqa: E402
-                         build_tiny_dspark_checkpoint)
-from tiny_mla import build_tiny_mla_checkpoint  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 pytestmark = pytest.mark.engine
 
@@ -80,7 +78,7 @@ def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None) -> dict:
     key = (tp, dcp, interleave, str(draft))
     if key in _RUNS:
         return _RUNS[key]
-    from greedy_run import cpu_engine_env  # tests/engine on sys.path via pytest
+    from greedy_run import cpu_engine_env
 
     env = dict(os.environ)
     env.update(cpu_engine_env(tp))

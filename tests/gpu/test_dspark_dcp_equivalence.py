@@ -47,12 +47,10 @@ from pathlib import Path
 
 import pytest
 
-GPU_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(GPU_DIR.parent))
+from tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
+from tiny_mla import build_tiny_mla_checkpoint, hf_greedy
 
-from tiny_dspark import (bigram_successors,  # noqa: E402
-                         build_tiny_dspark_checkpoint)
-from tiny_mla import build_tiny_mla_checkpoint, hf_greedy  # noqa: E402
+GPU_DIR = Path(__file__).resolve().parent
 
 PROMPT_LENGTHS = (5, 63, 64, 65, 130, 200, 300)
 MAX_TOKENS = 48

@@ -27,7 +27,6 @@ __all__ = [
     "build_flat_decode",
     "merge_partials",
     "mla_decode_reference",
-    "shard_paged_kv",
 ]
 
 
@@ -322,61 +321,3 @@ def mla_decode_reference(
     lse[has_kv] = row_lse[has_kv]
     return out, lse
 
-
-def shard_paged_kv(
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    layout: DCPLayout,
-    null_fill: float = float("nan"),
-    generator: torch.Generator | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Split a global paged latent cache into each DCP rank's local cache.
-
-    Simulates vLLM's DCP layout so that W ranks can run in one process. Each
-    rank gets its own paged cache with the same block size; block 0 is the
-    null block (filled with ``null_fill``, never referenced below a row's
-    length); local blocks are numbered in a shuffled order so that a kernel
-    relying on contiguous ids fails.
-
-    Args:
-        kv_cache: [num_blocks, block_size, D] global cache.
-        block_table: int [R, B] global block tables.
-        seq_lens: int [R] global lengths.
-        layout: the DCP split (W and I; every rank is made, whatever
-            ``layout.rank``).
-        null_fill: value written in the null block and in unused slots.
-        generator: for the block-id shuffle.
-
-    Returns:
-        One ``(local_cache [M, block_size, D], local_block_table int32 [R, B'])``
-        per rank; unused table entries are 0 (the null block).
-    """
-    num_reqs = seq_lens.shape[0]
-    block_size, width = kv_cache.shape[1], kv_cache.shape[2]
-    seq_lens = seq_lens.long()
-    shards = []
-    interleave = layout.interleave
-    for rank_layout in layout.ranks():
-        rank = rank_layout.rank
-        local_lens = rank_layout.local_seq_lens(seq_lens)
-        blocks_per_req = (local_lens + block_size - 1) // block_size
-        max_blocks = max(int(blocks_per_req.max()) if num_reqs else 0, 1)
-        num_local = int(blocks_per_req.sum())
-        ids = torch.randperm(num_local, generator=generator) + 1
-        table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
-        col = torch.arange(max_blocks)
-        used = col[None, :] < blocks_per_req[:, None]
-        table[used] = ids.to(torch.int32)
-        cache = kv_cache.new_full((num_local + 1, block_size, width), null_fill)
-
-        # Local slot j of a request holds global position p(j).
-        req_of = torch.repeat_interleave(torch.arange(num_reqs), local_lens)
-        starts = torch.cumsum(local_lens, 0) - local_lens
-        j = torch.arange(int(local_lens.sum())) - starts[req_of]
-        p = (j // interleave) * layout.span + rank * interleave + j % interleave
-        src = kv_cache[block_table[req_of, p // block_size].long(), p % block_size]
-        cache[table[req_of, j // block_size].long(), j % block_size] = src
-        shards.append((cache.to(kv_cache.device), table.to(block_table.device)))
-    return shards

@@ -24,50 +24,24 @@ KV_LORA_RANK = 512
 ROPE_DIM = 64
 
 
-def random_paged_batch(seq_lens: list[int], block_size: int, *, seed: int):
-    """A shuffled paged cache holding ``seq_lens`` tokens; block 0 is null."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    blocks = [(n + block_size - 1) // block_size for n in seq_lens]
-    width = KV_LORA_RANK + ROPE_DIM
-    cache = torch.randn(sum(blocks) + 1, block_size, width, generator=gen)
-    cache[0] = float("nan")
-    ids = torch.randperm(sum(blocks), generator=gen) + 1
-    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(blocks):
-        table[i, :n] = ids[start:start + n]
-        start += n
-    return cache, table, lens
-
-
 def dcp_step(q, cache, table, lens, query_start_loc, *, layout, causal, scale,
              seed=0):
     """Merged output and LSE of a simulated decode step over every rank of
     ``layout`` (a ``DCPLayout``)."""
     import torch
 
-    from vllm.v1.attention.ops.dcp_decode import (
-        build_flat_decode,
-        merge_partials,
-        mla_decode_reference,
-        shard_paged_kv,
-    )
+    from vllm.v1.attention.ops.dcp_decode import build_flat_decode, mla_decode_reference
+    from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
 
-    gen = torch.Generator().manual_seed(seed)
-    shards = shard_paged_kv(cache, table, lens, layout=layout, generator=gen)
-    outs, lses = [], []
-    for rank_layout, (local_cache, local_table) in zip(layout.ranks(), shards):
+    def decode_rank(rank_layout, local_cache, local_table):
         flat = build_flat_decode(lens, query_start_loc, local_table,
                                  layout=rank_layout, causal=causal)
-        out, lse = mla_decode_reference(q, local_cache, flat.block_table,
-                                        flat.seq_lens,
-                                        kv_lora_rank=KV_LORA_RANK, scale=scale)
-        outs.append(out)
-        lses.append(lse)
-    return merge_partials(torch.stack(outs), torch.stack(lses))
+        return mla_decode_reference(q, local_cache, flat.block_table, flat.seq_lens,
+                                    kv_lora_rank=KV_LORA_RANK, scale=scale)
+
+    return decode_on_simulated_ranks(
+        cache, table, lens, decode_rank, layout=layout,
+        generator=torch.Generator().manual_seed(seed))
 
 
 def _int_at_least(low: int):
@@ -136,10 +110,13 @@ def run(args: argparse.Namespace) -> int:
         build_flat_decode,
         mla_decode_reference,
     )
+    from vllm.v1.attention.ops.dcp_simulated_ranks import random_paged_kv
 
     torch.manual_seed(args.seed)
-    cache, table, lens = random_paged_batch(args.seq_lens, args.block_size,
-                                            seed=args.seed)
+    cache, table, lens = random_paged_kv(
+        args.seq_lens, args.block_size,
+        generator=torch.Generator().manual_seed(args.seed),
+        width=KV_LORA_RANK + ROPE_DIM)
     scale = (128 + ROPE_DIM) ** -0.5
     modes = [("verify", True, args.verify_len), ("draft", False, args.draft_len)]
     cases = list(itertools.product(modes, args.world_sizes, args.interleaves))
