@@ -49,7 +49,12 @@ def install_q_concat_op() -> bool:
     """Register the torch decode epilogue as ``torch.ops._C.<op>`` if absent."""
     from vllm.v1.attention.ops import cpu_k3_mla_decode_q_concat as q_concat
 
-    import vllm._C  # noqa: F401  (defines the _C namespace)
+    from vllm.platforms import current_platform
+
+    # vLLM's own loader picks the kernel library this CPU can run (_C needs
+    # AVX512-BF16; _C_AVX512 / _C_AVX2 otherwise) and defines the _C namespace.
+    # A bare ``import vllm._C`` dies with SIGILL on AVX2-only CPUs.
+    current_platform.import_kernels()
 
     if hasattr(torch.ops._C, q_concat.OP_NAME):
         return False
