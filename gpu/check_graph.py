@@ -26,8 +26,8 @@ import sys
 import torch
 
 from vllm.v1.attention.ops.dcp_decode import (
-    DCPLayout, alloc_flat_decode, build_flat_decode, merge_partials, mla_decode_reference,
-    shard_paged_kv)
+    DCPLayout, alloc_flat_decode, build_flat_decode, merge_partials,
+    mla_decode_reference, shard_paged_kv)
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
