@@ -27,7 +27,8 @@ import torch
 
 from benchmarks._common import cuda_event_median_ms as time_ms
 from vllm.v1.attention.ops.dcp_decode import (
-    DCPLayout, alloc_flat_decode, build_flat_decode, merge_partials, mla_decode_reference)
+    DCPLayout, alloc_flat_decode, build_flat_decode, merge_partials,
+    mla_decode_reference)
 from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)

@@ -130,3 +130,11 @@ def test_left_out_off_cpu_and_without_the_hooks(upstream_forward_cpu):
     with mock.patch.object(RotaryEmbedding, "forward_cpu", None):
         assert fix.install() is False
     assert RotaryEmbedding.forward_cpu is upstream_forward_cpu
+
+
+def test_the_plugin_installs_it_on_cpu(upstream_forward_cpu):
+    from vllm.v1.attention.backends.mla import dcp_plugin
+
+    with mock.patch.object(fix, "multihead_query_is_wrong", return_value=True):
+        dcp_plugin.register()
+    assert RotaryEmbedding.forward_cpu.__wrapped__ is upstream_forward_cpu

@@ -77,12 +77,12 @@ def _vllm_version() -> str:
 
 
 def _register() -> None:
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import (
         AttentionBackendEnum,
         register_backend,
     )
 
-    from vllm.model_executor.layers.rotary_embedding import cpu_multihead_rope_fix
     from vllm.v1.attention.backends.mla import dcp_startup_checks
     from vllm.v1.attention.backends.mla.cpu_dcp_patches import (
         install_cpu_dcp_patches,
@@ -91,7 +91,12 @@ def _register() -> None:
     for name, class_path in BACKEND_OVERRIDES:
         register_backend(AttentionBackendEnum[name], class_path)
     install_cpu_dcp_patches()
-    cpu_multihead_rope_fix.install()
+    if current_platform.is_cpu():  # GPU processes never import the rope fix
+        from vllm.model_executor.layers.rotary_embedding import (
+            cpu_multihead_rope_fix,
+        )
+
+        cpu_multihead_rope_fix.install()
     dcp_startup_checks.install()
     logger.debug("vllm-dcp-dspark: registered %d MLA backend overrides",
                  len(BACKEND_OVERRIDES))

@@ -106,12 +106,12 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         self.rows_without_dcp = gpu_major == 9
         # FlashInferMLAMetadataBuilder.__init__ (0.32 and 0.34) is a
         # rejection of interleave sizes other than 1 under DCP, read from the
-        # parallel config, then exactly this call. The rows lift that limit,
-        # and no argument or attribute gets past the check without a doctored
-        # config that the grandparent would record (interleave, DCP block
-        # sizes) and keep as ``self.vllm_config``. So the check is skipped by
-        # calling on; tests/test_vllm_compat.py fails if the parent's
-        # __init__ ever does more than this call.
+        # parallel config, followed by exactly this call. The rows lift that
+        # limit, and only a doctored config would pass the check, which the
+        # grandparent would then record (interleave, DCP block sizes) and
+        # keep as ``self.vllm_config``; so this builder makes the call
+        # itself. tests/test_vllm_compat.py fails if the parent's __init__
+        # ever does more.
         MLACommonMetadataBuilder.__init__(
             self, kv_cache_spec, layer_names, vllm_config, device,
             FlashInferMLAMetadata, supports_dcp_with_varlen=True)
