@@ -226,7 +226,8 @@ def sweep(args):
     for batch in args.sweep_batch:
         for ctx in args.sweep_ctx:
             for world in args.sweep_world:
-                setup = Setup(batch, ctx, world, 8, args.heads, args.q_len, args)
+                # 64 layers over distinct caches: KV beyond the 50 MB L2.
+                setup = Setup(batch, ctx, world, 64, args.heads, args.q_len, args)
                 best = None
                 auto = split_kernel(setup, args).splits_for(setup.rows)
                 split_counts = sorted({max(1, auto // 2), auto, auto * 2,
