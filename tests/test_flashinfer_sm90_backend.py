@@ -205,15 +205,20 @@ def test_sm90_path_is_a_function_of_the_row_count(sm90, tmp_path, monkeypatch):
     for num_rows in (4, 12, 13, 16):
         seen = set()
         for trial in range(4):
-            # A random split of num_rows tokens into requests of 1..4 tokens.
-            query_lens, left = [], num_rows
-            while left:
-                query_lens.append(min(left, int(torch.randint(1, 5, (), generator=gen))))
-                left -= query_lens[-1]
+            causal = bool(trial % 2)
+            if causal:  # a random split into requests of 1..4 tokens
+                query_lens, left = [], num_rows
+                while left:
+                    query_lens.append(min(left, int(torch.randint(1, 5, (),
+                                                                  generator=gen))))
+                    left -= query_lens[-1]
+            else:  # draft blocks are uniform: any q_len <= 4 dividing the rows
+                q_len = max(n for n in range(1, 5) if num_rows % n == 0)
+                query_lens = [q_len] * (num_rows // q_len)
             seq_lens = [int(n) + q for n, q in zip(
                 torch.randint(0, 600, (len(query_lens),), generator=gen), query_lens)]
             seen.add(_planned_path(sm90, config, seq_lens, query_lens,
-                                   causal=bool(trial % 2), seed=trial))
+                                   causal=causal, seed=trial))
         expected = "TritonMLASplitKV" if num_rows < 13 else "FlashInferSm90MLA"
         assert seen == {expected}, (num_rows, seen)
 
