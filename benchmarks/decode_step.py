@@ -164,9 +164,19 @@ def measure_path(setup, kernel, plan, args):
 
 
 def split_kernel(setup, args, **knobs):
+    knobs.setdefault("max_rows_per_program", setup.q_len)
     return TritonMLASplitKV(num_heads=setup.heads, sm_scale=setup.scale,
                             dtype=torch.bfloat16, max_rows=setup.rows,
                             max_local_len=setup.max_local, device="cuda", **knobs)
+
+
+def split_plan(setup, kernel, group, num_splits=None):
+    """The builder's split-KV plan: rows, then the host-only plan (a uniform
+    batch: each request's q_len rows in one program when ``group``)."""
+    flat = setup.build_rows()
+    kernel.plan(flat.seq_lens, flat.block_table, num_rows=setup.rows,
+                rows_per_program=group, row_to_req=flat.row_to_req,
+                num_splits=num_splits)
 
 
 def point(setup, ws, args):
@@ -206,9 +216,8 @@ def point(setup, ws, args):
             kernel = split_kernel(setup, args, **args.split_knobs)
 
             def plan(kernel=kernel):
-                flat = setup.build_rows()
-                kernel.plan(flat.seq_lens, flat.block_table, num_rows=setup.rows)
-            splits = kernel.splits_for(setup.rows)
+                split_plan(setup, kernel, setup.q_len)
+            splits = kernel.splits_for(setup.rows, setup.q_len)
         r = dict(base, path=path, backend_path=chosen, num_splits=splits,
                  **measure_path(setup, kernel, plan, args))
         r.update(native_layer_ms=native_ms, layer_over_native=r["layer_ms"] / native_ms)
@@ -216,64 +225,62 @@ def point(setup, ws, args):
     return results
 
 
+def sweep_point(setup, group, sms, results):
+    """Every knob set at one point and rows-per-program G; prints the best."""
+    best = None
+    auto = split_kernel(setup, None).splits_for(setup.rows, group)
+    programs = -(-setup.rows // group) * -(-setup.heads // 16)
+    split_counts = sorted({max(1, auto // 2), auto, auto * 2, max(1, sms // programs)})
+    grid = [(bn, wp, st, sp, mk) for bn in (16, 32, 64) for wp in (4, 8)
+            for st in (1, 2) for sp in split_counts for mk in (0, 256)]
+    for block_n, warps, stages, splits, min_keys in grid:
+        knobs = dict(block_n=block_n, num_warps=warps, num_stages=stages,
+                     min_split_keys=min_keys, max_partials=setup.rows * splits)
+        try:
+            kernel = split_kernel(setup, None, **knobs)
+            split_plan(setup, kernel, group, splits)
+            step = setup.step_fn(kernel, setup.copies)
+            step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            ms = time_ms(graph.replay, 10) / setup.copies
+            del graph
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+            print(f"  skip {knobs}: {type(exc).__name__}")
+            torch.cuda.synchronize()
+            continue
+        r = dict(batch=setup.batch, ctx=setup.ctx, W=setup.world, heads=setup.heads,
+                 rows_per_program=group, block_n=block_n, num_warps=warps,
+                 num_stages=stages, num_splits=splits, auto_splits=auto,
+                 min_split_keys=min_keys, layer_ms=ms,
+                 kv_tbps=setup.per_layer_bytes / ms / 1e9)
+        results.append(r)
+        if best is None or ms < best["layer_ms"]:
+            best = r
+    if best is not None:
+        b = best
+        print(f"{setup.batch:3}{setup.ctx // 1024:7}K{setup.world:3}{group:3}"
+              f"{b['block_n']:4}{b['num_warps']:3}{b['num_stages']:3}"
+              f"{b['num_splits']:4}{b['min_split_keys']:5}{b['layer_ms']:10.4f}"
+              f"{b['kv_tbps']:7.2f}  (best; auto S={auto})", flush=True)
+
+
 def sweep(args):
     """Per-layer split-KV time over a grid of knobs (graph replay of one
-    layer per distinct cache, so each layer's KV comes from HBM)."""
+    layer per distinct cache, so each layer's KV comes from HBM), for G = 1
+    and G = q_len rows per program."""
     results = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{'B':>3}{'ctx':>8}{'W':>3}{'bn':>4}{'wp':>3}{'st':>3}{'S':>4}{'minK':>5}"
-          f"{'layer ms':>10}{'TB/s':>7}")
+    print(f"{'B':>3}{'ctx':>8}{'W':>3}{'G':>3}{'bn':>4}{'wp':>3}{'st':>3}{'S':>4}"
+          f"{'minK':>5}{'layer ms':>10}{'TB/s':>7}")
     for batch in args.sweep_batch:
         for ctx in args.sweep_ctx:
             for world in args.sweep_world:
                 # 64 layers over distinct caches: KV beyond the 50 MB L2.
                 setup = Setup(batch, ctx, world, 64, args.heads, args.q_len, args)
-                best = None
-                auto = split_kernel(setup, args).splits_for(setup.rows)
-                split_counts = sorted({max(1, auto // 2), auto, auto * 2,
-                                       max(1, sms // max(setup.rows, 1))})
-                for block_n in (16, 32, 64):
-                    for warps in (4, 8):
-                        for stages in (1, 2):
-                            for splits in split_counts:
-                                for min_keys in (0, 256):
-                                    knobs = dict(block_n=block_n, num_warps=warps,
-                                                 num_stages=stages,
-                                                 min_split_keys=min_keys,
-                                                 max_partials=setup.rows * splits)
-                                    try:
-                                        kernel = split_kernel(setup, args, **knobs)
-                                        flat = setup.build_rows()
-                                        kernel.plan(flat.seq_lens, flat.block_table,
-                                                    num_rows=setup.rows,
-                                                    num_splits=splits)
-                                        step = setup.step_fn(kernel, setup.copies)
-                                        step()
-                                        graph = torch.cuda.CUDAGraph()
-                                        with torch.cuda.graph(graph):
-                                            step()
-                                        ms = time_ms(graph.replay, 10) / setup.copies
-                                        del graph
-                                    except Exception as exc:  # noqa: BLE001
-                                        print(f"  skip {knobs}: {type(exc).__name__}")
-                                        torch.cuda.synchronize()
-                                        continue
-                                    tbps = setup.per_layer_bytes / ms / 1e9
-                                    r = dict(batch=batch, ctx=ctx, W=world,
-                                             heads=args.heads, block_n=block_n,
-                                             num_warps=warps, num_stages=stages,
-                                             num_splits=splits, auto_splits=auto,
-                                             min_split_keys=min_keys, layer_ms=ms,
-                                             kv_tbps=tbps)
-                                    results.append(r)
-                                    if best is None or ms < best["layer_ms"]:
-                                        best = r
-                if best is not None:
-                    b = best
-                    print(f"{batch:3}{ctx // 1024:7}K{world:3}{b['block_n']:4}"
-                          f"{b['num_warps']:3}{b['num_stages']:3}{b['num_splits']:4}"
-                          f"{b['min_split_keys']:5}{b['layer_ms']:10.4f}"
-                          f"{b['kv_tbps']:7.2f}  (best; auto S={auto})", flush=True)
+                for group in sorted({1, setup.q_len}):
+                    sweep_point(setup, group, sms, results)
                 del setup
                 torch.cuda.empty_cache()
     write_csv(f"{args.out_dir}/decode_step_sweep.csv", results)
@@ -284,11 +291,11 @@ def sweep(args):
         best_at[key] = min(best_at.get(key, float("inf")), r["layer_ms"])
     worst = {}
     for r in results:
-        knob = (r["block_n"], r["num_warps"], r["num_stages"], r["min_split_keys"],
-                r["num_splits"] / max(r["auto_splits"], 1))
+        knob = (r["rows_per_program"], r["block_n"], r["num_warps"], r["num_stages"],
+                r["min_split_keys"], r["num_splits"] / max(r["auto_splits"], 1))
         slow = r["layer_ms"] / best_at[(r["batch"], r["ctx"], r["W"])]
         worst[knob] = max(worst.get(knob, 0.0), slow)
-    print("knobs (block_n, warps, stages, min_split_keys, splits/auto): worst "
+    print("knobs (G, block_n, warps, stages, min_split_keys, splits/auto): worst "
           "slowdown vs each point's best")
     for knob, slow in sorted(worst.items(), key=lambda kv: kv[1])[:10]:
         print(f"  {knob}: {slow:.3f}")

@@ -12,8 +12,9 @@ GPU host has no vLLM): per forward, the rows go into persistent buffers
   ``FlashInferSm90MLA.plan_prefix_tail`` plan; every one of L layers calls
   ``FlashInferSm90MLA.run`` on its own q and KV;
 - split: ``TritonMLASplitKV.plan`` over the persistent rows (split count from
-  the row count and ``--split-max-model-len`` only); every layer calls its
-  ``run``.
+  the row count and ``--split-max-model-len`` only), each request's q_len
+  rows in one program (the batches are uniform, as in a graph); every layer
+  calls its ``run``. split1: the same with one row per program.
 
 Per rank, one CUDA graph of the L layers is captured once, then replayed for
 changing batches (real request count, lengths, host slack, queries) of the
@@ -84,7 +85,8 @@ def run_config(heads, world, inter, causal, args, dev, path="fa3"):
             max_local = -(-args.split_max_model_len // world)
             kernel = TritonMLASplitKV(num_heads=heads, sm_scale=scale,
                                       dtype=torch.bfloat16, max_rows=rows,
-                                      max_local_len=max_local, device=dev)
+                                      max_local_len=max_local, device=dev,
+                                      max_rows_per_program=q_len)
         flat_buf = alloc_flat_decode(rows, local_table.shape[1], dev)
         ranks.append(dict(caches=local_caches, table=local_table, kernel=kernel,
                           flat_buf=flat_buf))
@@ -114,9 +116,11 @@ def run_config(heads, world, inter, causal, args, dev, path="fa3"):
             lens.to(dev), qsl.to(dev), rank_state["table"],
             world_size=world, rank=r, interleave=inter, causal=causal,
             num_rows=rows, out=rank_state["flat_buf"])
-        if path == "split":
-            rank_state["kernel"].plan(flat.seq_lens, flat.block_table,
-                                      num_rows=rows)
+        if path.startswith("split"):
+            rank_state["kernel"].plan(
+                flat.seq_lens, flat.block_table, num_rows=rows,
+                rows_per_program=q_len if path == "split" else 1,
+                row_to_req=flat.row_to_req)
             return
         prefix = host_prefix_lens(host_lens, qsl, causal=causal, slack=slack,
                                   world_size=world, rank=r, interleave=inter)
@@ -172,7 +176,7 @@ def run_config(heads, world, inter, causal, args, dev, path="fa3"):
                            (gl - el).abs().nan_to_num(0.0).max().item())
                 # FA3: output bitwise, LSE's -inf pattern; split-KV: both bitwise.
                 same = torch.equal(go, eo) and (
-                    torch.equal(gl, el) if path == "split"
+                    torch.equal(gl, el) if path.startswith("split")
                     else torch.equal(gl.isinf(), el.isinf()))
                 worst["replay_vs_eager"] = max(worst["replay_vs_eager"], diff)
                 worst["exact"] &= same
@@ -232,8 +236,8 @@ def main():
     ap.add_argument("--max-len", type=int, default=3000)
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--paths", nargs="+", choices=["fa3", "split"],
-                    default=["fa3", "split"])
+    ap.add_argument("--paths", nargs="+", choices=["fa3", "split", "split1"],
+                    default=["fa3", "split", "split1"])
     ap.add_argument("--split-max-model-len", type=int, default=65536,
                     help="split-KV: sets its split count (the rank's share)")
     ap.add_argument("--plant-plain-wrapper", action="store_true",
@@ -250,7 +254,7 @@ def main():
                 for causal in (True, False):
                     ok, w, te, tg = run_config(heads, world, args.interleave, causal,
                                                args, dev, path)
-                    if path == "split":  # same launches, same data: bitwise
+                    if path.startswith("split"):  # same launches and data: bitwise
                         ok &= w["exact"]
                     all_ok &= ok
                     print(f"{path:>6}{heads:4}{world:3}{str(causal):>7}"

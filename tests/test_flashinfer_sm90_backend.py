@@ -140,7 +140,9 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
             results = [impl.forward_mqa(q, cache.bfloat16(), metadata, _layer())
                        for _ in layer_names]
             plans.append(sum(c[0] == "plan" for c in _FakeWrapper.calls) - before)
-            planned.append(type(metadata.decode.kernel_state["sm90_planned"]).__name__)
+            kernel = metadata.decode.kernel_state["sm90_planned"]
+            planned.append((type(kernel).__name__,
+                            getattr(kernel, "rows_per_program", None)))
         for out, lse in results[1:]:
             assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
         outs.append(results[0][0].float())
@@ -165,10 +167,12 @@ def test_triton_path_backend_merges_to_full_attention(sm90, tmp_path, monkeypatc
         shape=shape, seed=world)
     if path == "fa3":
         assert plans == [1] * world, "one FA3 plan per forward (in the builder)"
-        assert planned == ["FlashInferSm90MLA"] * world
+        assert planned == [("FlashInferSm90MLA", None)] * world
     else:
+        # A uniform batch's 4 rows per request share one program.
+        group = 1 if shape == "ragged" else 4
         assert plans == [0] * world, "split-KV needs no FA3 plan"
-        assert planned == ["TritonMLASplitKV"] * world
+        assert planned == [("TritonMLASplitKV", group)] * world
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 

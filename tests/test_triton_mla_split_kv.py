@@ -72,18 +72,21 @@ def _paged_cache(num_blocks, page, width, dtype, gen):
     return cache.to(dtype)
 
 
-def _run(q, cache, table, row_lens, *, num_splits, dv, num_rows=None, **knobs):
+def _run(q, cache, table, row_lens, *, num_splits, dv, num_rows=None,
+         rows_per_program=1, row_to_req=None, **knobs):
     """Plan + run on DEVICE with NaN-poisoned outputs and partial buffers."""
     num_rows = q.shape[0] if num_rows is None else num_rows
     heads = q.shape[1]
     mla = sk.TritonMLASplitKV(
         num_heads=heads, sm_scale=SCALE, dtype=q.dtype, kv_lora_rank=dv,
         rope_dim=q.shape[2] - dv, max_rows=num_rows, max_local_len=1 << 20,
-        device=DEVICE, max_partials=num_rows * num_splits, **knobs)
+        device=DEVICE, max_partials=num_rows * num_splits,
+        max_rows_per_program=rows_per_program, **knobs)
     mla._part_out.fill_(float("nan"))
     mla._part_lse.fill_(float("nan"))
     mla.plan(row_lens.to(DEVICE), table.to(DEVICE), num_rows=num_rows,
-             num_splits=num_splits)
+             num_splits=num_splits, rows_per_program=rows_per_program,
+             row_to_req=None if row_to_req is None else row_to_req.to(DEVICE))
     out = torch.full((num_rows, heads, dv), float("nan"), dtype=q.dtype, device=DEVICE)
     lse = torch.full((num_rows, heads), float("nan"), device=DEVICE)
     got_out, got_lse = mla.run(q[:num_rows].to(DEVICE), cache.to(DEVICE), out=out,
@@ -161,20 +164,14 @@ def test_triton_path_split_kv_kimi_widths():
     _assert_rows_equal(out, lse, ref_out, ref_lse, torch.bfloat16)
 
 
-DCP_LAYOUTS = [(1, 1), (2, 1), (2, 16), (4, 1), (4, 64)]
-
-
-@needs_triton
-@pytest.mark.parametrize("world,interleave", DCP_LAYOUTS)
-@pytest.mark.parametrize("causal", [True, False])
-def test_triton_path_dcp_ranks_merge_to_full_attention(world, interleave, causal):
-    """q_len 1..8, ragged, requests shorter than their query, 2 padding rows:
-    rows from ``build_flat_decode`` on every rank, split-KV per rank, merged
-    with ``merge_partials`` == attention without DCP."""
-    gen = torch.Generator().manual_seed(world * 100 + interleave + int(causal))
+def _dcp_merged(query_lens, seq_lens, *, world, interleave, causal, num_splits,
+                rows_per_program=1, seed=0):
+    """Rows from ``build_flat_decode`` on every rank (2 padding rows), split-KV
+    per rank, merged with ``merge_partials``; and attention without DCP."""
+    gen = torch.Generator().manual_seed(seed)
     dv, dr, page, heads = 64, 16, 16, 16
-    query_lens = torch.tensor([1, 4, 8, 3, 2])
-    seq_lens = torch.tensor([37, 2, 300, 130, 0], dtype=torch.int32)
+    query_lens = torch.tensor(query_lens)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(query_lens, 0)
     num_rows = int(qsl[-1]) + 2
@@ -196,14 +193,67 @@ def test_triton_path_dcp_ranks_merge_to_full_attention(world, interleave, causal
             seq_lens, qsl, local_table, world_size=world, rank=rank,
             interleave=interleave, causal=causal, num_rows=num_rows)
         out, lse = _run(q, local_cache, flat.block_table, flat.seq_lens,
-                        num_splits=3, dv=dv)
+                        num_splits=num_splits, dv=dv,
+                        rows_per_program=rows_per_program, row_to_req=flat.row_to_req)
         outs.append(out)
         lses.append(lse)
     out, lse = dcp_decode.merge_partials(torch.stack(outs), torch.stack(lses))
     real = int(qsl[-1])
     ref_out, ref_lse = _full_attention(cache, table, seq_lens, qsl, q, dv, causal=causal)
+    return out, lse, ref_out, ref_lse, real
+
+
+DCP_LAYOUTS = [(1, 1), (2, 1), (2, 16), (4, 1), (4, 64)]
+
+
+@needs_triton
+@pytest.mark.parametrize("world,interleave", DCP_LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_path_dcp_ranks_merge_to_full_attention(world, interleave, causal):
+    """q_len 1..8, ragged, requests shorter than their query, 2 padding rows:
+    the ranks' split-KV results merged == attention without DCP."""
+    out, lse, ref_out, ref_lse, real = _dcp_merged(
+        [1, 4, 8, 3, 2], [37, 2, 300, 130, 0], world=world, interleave=interleave,
+        causal=causal, num_splits=3, seed=world * 100 + interleave + int(causal))
     _assert_rows_equal(out[:real], lse[:real], ref_out, ref_lse, torch.float32)
     assert bool((out[real:] == 0).all() and (lse[real:] == float("-inf")).all())
+
+
+@needs_triton
+@pytest.mark.parametrize("q_len", [4, 5])
+@pytest.mark.parametrize("world,interleave", [(1, 1), (2, 16), (4, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_triton_path_grouped_rows_merge_to_full_attention(q_len, world, interleave,
+                                                          causal):
+    """Uniform batches, each request's q_len rows in one program (5: padded
+    to 8 in the MMA), requests shorter than their query (causal: their first
+    rows have no keys), 2 padding rows: merged == attention without DCP."""
+    out, lse, ref_out, ref_lse, real = _dcp_merged(
+        [q_len] * 4, [3, 300, 41, 130], world=world, interleave=interleave,
+        causal=causal, num_splits=4, rows_per_program=q_len,
+        seed=world * 10 + q_len + int(causal))
+    _assert_rows_equal(out[:real], lse[:real], ref_out, ref_lse, torch.float32)
+    assert bool((out[real:] == 0).all() and (lse[real:] == float("-inf")).all())
+
+
+@needs_triton
+def test_triton_path_grouping_two_requests_is_loud():
+    """A plan whose row groups straddle two requests (rows_per_program not
+    the batch's query length) gives NaN in those groups, not a wrong answer."""
+    gen = torch.Generator().manual_seed(4)
+    dv, dr, page, heads = 64, 16, 8, 16
+    row_to_req = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2], dtype=torch.int32)
+    lens = torch.tensor([9, 10, 11, 20, 21, 22, 0, 0], dtype=torch.int32)
+    cache = _paged_cache(20, page, dv + dr, torch.float32, gen)
+    table = torch.randint(1, 20, (3, 4), generator=gen, dtype=torch.int32)
+    q = torch.randn(8, heads, dv + dr, generator=gen)
+    out, lse = _run(q, cache, table[row_to_req.long()], lens, num_splits=2, dv=dv,
+                    rows_per_program=4, row_to_req=row_to_req)
+    # Rows 0-3 hold requests 0 and 1: NaN. Rows 4-7: request 1, then rows
+    # without keys (any request): exact.
+    assert bool(lse[:4].isnan().all() and out[:4].isnan().all())
+    ref_out, ref_lse = _rows_reference(q, cache, table[row_to_req.long()], lens, dv)
+    _assert_rows_equal(out[4:], lse[4:], ref_out[4:], ref_lse[4:], torch.float32)
 
 
 def test_choose_num_splits():
@@ -219,6 +269,9 @@ def test_choose_num_splits():
     assert sk.choose_num_splits(0, 16, 1 << 20, 132) == 1
     assert sk.choose_num_splits(4, 16, 32768, 132, min_chunk=4096,
                                 programs_per_sm=1) == 8
+    # 32 rows in groups of 4: 8 programs per split.
+    assert sk.choose_num_splits(32, 16, 65536, 132, rows_per_program=4) == 33
+    assert sk.choose_num_splits(32, 16, 65536, 132) == 9
 
 
 def test_split_kv_preferred_is_a_row_count_threshold():
@@ -235,20 +288,29 @@ def test_plan_is_host_only_and_buffers_fixed():
     a clear error."""
     mla = sk.TritonMLASplitKV(num_heads=16, sm_scale=SCALE, dtype=torch.float32,
                               kv_lora_rank=64, rope_dim=16, max_rows=64,
-                              max_local_len=1 << 16, device="cpu", num_sms=132)
+                              max_local_len=1 << 16, device="cpu", num_sms=132,
+                              max_rows_per_program=4)
     ptrs = (mla._part_out.data_ptr(), mla._part_lse.data_ptr())
     lens = torch.zeros(64, dtype=torch.int32)
     table = torch.zeros(64, 4, dtype=torch.int32)
+    row_to_req = torch.zeros(64, dtype=torch.int32)
     for rows in range(1, 65):
-        mla.plan(lens, table, num_rows=rows)
-        assert mla.num_splits == mla.splits_for(rows)
-        assert rows * mla.num_splits <= mla.max_partials
+        for group in (1, 2, 3, 4):
+            mla.plan(lens, table, num_rows=rows, rows_per_program=group,
+                     row_to_req=row_to_req)
+            assert mla.num_splits == mla.splits_for(rows, group)
+            assert rows * mla.num_splits <= mla.max_partials
     assert (mla._part_out.data_ptr(), mla._part_lse.data_ptr()) == ptrs
     assert mla.splits_for(1) == 64 and mla.splits_for(64) == 5
+    assert mla.splits_for(64, 4) == 17
     with pytest.raises(ValueError, match="exceeds the buffers"):
         mla.plan(lens, table, num_rows=65)
     with pytest.raises(ValueError, match="exceeds the buffers"):
         mla.plan(lens, table, num_rows=64, num_splits=64)
+    with pytest.raises(ValueError, match="allows 1..4"):
+        mla.plan(lens, table, num_rows=8, rows_per_program=5, row_to_req=row_to_req)
+    with pytest.raises(ValueError, match="needs row_to_req"):
+        mla.plan(lens, table, num_rows=8, rows_per_program=2)
     mla.plan(lens, table, num_rows=8)
     q = torch.zeros(4, 16, 80)
     with pytest.raises(ValueError, match="last plan was for 8"):

@@ -86,6 +86,7 @@ def choose_num_splits(
     max_local_len: int,
     num_sms: int,
     *,
+    rows_per_program: int = 1,
     block_h: int = 16,
     min_chunk: int = 512,
     programs_per_sm: int = 2,
@@ -94,7 +95,7 @@ def choose_num_splits(
     """Splits per row for a forward of ``num_rows`` rows (host ints only).
 
     Enough stage-1 programs to give every SM ``programs_per_sm`` of them
-    (rows x head blocks x splits), but no split shorter than ``min_chunk``
+    (row groups of ``rows_per_program`` x head blocks x splits), but no split shorter than ``min_chunk``
     keys of the longest possible row (``max_local_len``: each split writes a
     ``H x Dv`` float32 partial that stage 2 reads back), and at most
     ``max_splits``. 1 once the rows alone fill the SMs.
@@ -105,7 +106,8 @@ def choose_num_splits(
     """
     if num_rows <= 0:
         return 1
-    programs = num_rows * triton_cdiv(num_heads, block_h)
+    programs = (triton_cdiv(num_rows, rows_per_program)
+                * triton_cdiv(num_heads, block_h))
     wanted = triton_cdiv(programs_per_sm * num_sms, programs)
     by_len = max_local_len // max(min_chunk, 1)
     return max(1, min(wanted, by_len, max_splits))
@@ -118,40 +120,61 @@ if triton is not None:
         q_ptr, q_stride_t, q_stride_h,
         kv_ptr, kv_stride_p, kv_stride_s,
         bt_ptr, bt_stride,
-        row_lens_ptr,
+        row_lens_ptr, row_req_ptr,
         part_out_ptr, part_lse_ptr,
-        num_heads, num_splits, min_split_keys, page_size, qk_scale_log2,
+        num_rows, num_heads, num_splits, group, min_split_keys, page_size,
+        qk_scale_log2,
         DV: tl.constexpr, DR: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
+        BLOCK_H: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
-        """Program = (row t, BLOCK_H heads, split s); partials [T, H, S, DV]
-        and LSE [T, H, S], float32, natural log."""
-        t = tl.program_id(0)
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        """Program = (``group`` rows from g * group, BLOCK_H heads, split s);
+        partials [T, H, S, DV] and LSE [T, H, S], float32, natural log.
+
+        The program's M = GROUP_PAD * BLOCK_H query rows (row-major: row,
+        then head; GROUP_PAD = next power of 2 of ``group``, the rest masked)
+        share one key tile: the rows of one request (one block table, each
+        row bounded by its own length); the split's chunk follows the group's
+        longest row.
+        """
+        BLOCK_M: tl.constexpr = GROUP_PAD * BLOCK_H
+        first_row = tl.program_id(0) * group
         split = tl.program_id(2)
-        h_ok = heads < num_heads
-        row_len = tl.load(row_lens_ptr + t)
-        chunk = tl.maximum(tl.cdiv(row_len, num_splits), min_split_keys)
+        m_idx = tl.arange(0, BLOCK_M)
+        rows = first_row + m_idx // BLOCK_H
+        heads = tl.program_id(1) * BLOCK_H + m_idx % BLOCK_H
+        row_ok = (rows < num_rows) & (m_idx // BLOCK_H < group)
+        m_ok = row_ok & (heads < num_heads)
+        row_len = tl.load(row_lens_ptr + rows, mask=row_ok, other=0)  # [M]
+        group_len = tl.max(row_len, axis=0)
+        chunk = tl.maximum(tl.cdiv(group_len, num_splits), min_split_keys)
         chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
         start = split * chunk
-        end = tl.minimum(start + chunk, row_len)
+        end = tl.minimum(start + chunk, group_len)
+        # Rows with keys must be the first row's request (its block table is
+        # read): a plan that groups rows of two requests gives NaN, loudly.
+        if GROUP_PAD > 1:
+            req = tl.load(row_req_ptr + rows, mask=row_ok, other=0)
+            first_req = tl.load(row_req_ptr + first_row)
+            num_mixed = tl.sum(((row_len > 0) & (req != first_req)).to(tl.int32),
+                               axis=0)
+            mixed = (tl.zeros([BLOCK_M], dtype=tl.int32) + num_mixed) > 0  # [M]
 
         dv = tl.arange(0, DV)
         dr = tl.arange(0, DR)
-        q_row = q_ptr + t.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h
-        q_c = tl.load(q_row + dv[None, :], mask=h_ok[:, None], other=0.0)
-        q_r = tl.load(q_row + DV + dr[None, :], mask=h_ok[:, None], other=0.0)
+        q_row = q_ptr + rows.to(tl.int64)[:, None] * q_stride_t + heads[:, None] * q_stride_h
+        q_c = tl.load(q_row + dv[None, :], mask=m_ok[:, None], other=0.0)
+        q_r = tl.load(q_row + DV + dr[None, :], mask=m_ok[:, None], other=0.0)
         if UPCAST:
             q_c = q_c.to(tl.float32)
             q_r = q_r.to(tl.float32)
-        bt_row = bt_ptr + t.to(tl.int64) * bt_stride
+        bt_row = bt_ptr + first_row.to(tl.int64) * bt_stride
 
         # Online softmax in base 2: running max m, sum l (relative to m),
         # unnormalised output acc.
-        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+        m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
         for key_start in range(start, end, BLOCK_N):
             keys = key_start + tl.arange(0, BLOCK_N)
             k_ok = keys < end
@@ -166,11 +189,13 @@ if triton is not None:
                 k_r = k_r.to(tl.float32)
             scores = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
             scores = tl.dot(q_r, tl.trans(k_r), acc=scores, input_precision=PRECISION)
-            # Every step has a live key (key_start < end): m_new is finite.
-            scores = tl.where(k_ok[None, :], scores * qk_scale_log2, float("-inf"))
+            visible = k_ok[None, :] & (keys[None, :] < row_len[:, None])
+            scores = tl.where(visible, scores * qk_scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp2(m - m_new)  # 0 on the first step (m = -inf)
-            probs = tl.exp2(scores - m_new[:, None])
+            # A row may see none of this step's keys yet: keep it at 0.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)  # 0 while the row has seen nothing
+            probs = tl.exp2(scores - m_safe[:, None])
             l_sum = l_sum * alpha + tl.sum(probs, axis=1)
             acc = acc * alpha[:, None]
             # P is rounded to the cache dtype, as the MMA on the device takes it.
@@ -184,11 +209,17 @@ if triton is not None:
         norm = tl.where(has_keys, l_sum, 1.0)
         lse = tl.where(has_keys, (m + tl.log2(norm)) * 0.6931471805599453,
                        float("-inf"))
-        part = (t.to(tl.int64) * num_heads + heads) * num_splits + split
+        part_out = acc / norm[:, None]
         # Stage 2 reads no output of an empty split (its weight is 0).
-        tl.store(part_out_ptr + part[:, None] * DV + dv[None, :],
-                 acc / norm[:, None], mask=(h_ok & has_keys)[:, None])
-        tl.store(part_lse_ptr + part, lse, mask=h_ok)
+        write = has_keys
+        if GROUP_PAD > 1:
+            lse = tl.where(mixed, float("nan"), lse)
+            part_out = tl.where(mixed[:, None], float("nan"), part_out)
+            write = has_keys | mixed
+        part = (rows.to(tl.int64) * num_heads + heads) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * DV + dv[None, :], part_out,
+                 mask=(m_ok & write)[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=m_ok)
 
     @triton.jit
     def _split_kv_stage2(
@@ -224,10 +255,13 @@ if triton is not None:
 
         has_keys = total > 0
         out = tl.where(has_keys, acc / tl.where(has_keys, total, 1.0), 0.0)
+        # A NaN partial (a plan that grouped two requests' rows) stays NaN.
+        out = tl.where(total != total, float("nan"), out)
         tl.store(out_ptr + t.to(tl.int64) * out_stride_t + head * out_stride_h + dv,
                  out.to(out_ptr.dtype.element_ty), mask=dv_ok)
         lse = tl.where(has_keys, lse_max + tl.log(tl.where(has_keys, total, 1.0)),
                        float("-inf"))
+        lse = tl.where(total != total, float("nan"), lse)
         tl.store(lse_ptr + t.to(tl.int64) * lse_stride_t + head, lse,
                  mask=tl.program_id(2) == 0)
 
@@ -244,6 +278,8 @@ def split_kv_decode(
     *,
     num_splits: int,
     sm_scale: float,
+    rows_per_program: int = 1,
+    row_to_req: torch.Tensor | None = None,
     min_split_keys: int = 0,
     block_n: int = 32,
     block_h: int = 16,
@@ -268,6 +304,13 @@ def split_kv_decode(
         lse: float32 [T, H], last dim contiguous (written, natural log).
         num_splits: S, key chunks per row (>= 1).
         sm_scale: softmax scale applied to ``q . k``.
+        rows_per_program: G, consecutive rows one stage-1 program attends
+            together (padded to a power of 2 in the MMA's M): each G-row
+            group from row 0 must hold
+            one request's rows (any of them may have no keys), e.g. a uniform
+            batch of G-token queries; rows of two requests in one group
+            give NaN. 1: no such condition.
+        row_to_req: int32 [>= T] request of each row (read when G > 1).
         min_split_keys: fewest keys per split (device side: a row shorter
             than ``num_splits * min_split_keys`` leaves its last splits empty, which
             write only their -inf LSE); 0: the chunk is ``cdiv(row_len, S)``.
@@ -284,14 +327,20 @@ def split_kv_decode(
     # Triton's CPU interpreter gets bf16/fp16 dots wrong: it runs them on
     # float32 copies of the same values (products are exact either way).
     upcast = q.device.type != "cuda"
-    grid1 = (num_rows, triton.cdiv(num_heads, block_h), num_splits)
+    group = rows_per_program
+    if group > 1 and row_to_req is None:
+        raise ValueError("split-KV MLA with rows_per_program > 1 needs row_to_req")
+    grid1 = (triton.cdiv(num_rows, group), triton.cdiv(num_heads, block_h), num_splits)
     _split_kv_stage1[grid1](
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1),
         block_table, block_table.stride(0),
-        row_lens, part_out, part_lse,
-        num_heads, num_splits, min_split_keys, kv_cache.shape[1], sm_scale * _LOG2E,
-        DV=dv, DR=width - dv, BLOCK_H=block_h, BLOCK_N=block_n,
+        row_lens, row_lens if row_to_req is None else row_to_req,
+        part_out, part_lse,
+        num_rows, num_heads, num_splits, group, min_split_keys, kv_cache.shape[1],
+        sm_scale * _LOG2E,
+        DV=dv, DR=width - dv, BLOCK_H=block_h,
+        GROUP_PAD=triton.next_power_of_2(group), BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
     )
@@ -314,15 +363,22 @@ class TritonMLASplitKV:
 
         mla = TritonMLASplitKV(num_heads=H, sm_scale=s, dtype=torch.bfloat16,
                                max_rows=N, max_local_len=L, device="cuda")
-        mla.plan(flat.seq_lens, flat.block_table, num_rows=T)   # per forward
+        mla.plan(flat.seq_lens, flat.block_table, num_rows=T,   # per forward
+                 rows_per_program=q_len, row_to_req=flat.row_to_req)
         out, lse = mla.run(q, kv_cache)                          # per layer
 
     ``plan`` takes host ints and the rows' persistent device buffers (kept by
     reference: a graph captured over ``run`` reads them at replay), makes no
     device-to-host sync, and picks ``num_splits`` with ``choose_num_splits``
-    from the row count and ``max_local_len`` only. The partial buffers are
-    allocated here, for the most rows x splits any plan up to ``max_rows``
-    rows asks for, so they never move under a captured graph.
+    from the row count, the rows per program and ``max_local_len`` only. The
+    partial buffers are allocated here, for the most rows x splits any plan
+    up to ``max_rows`` rows and ``max_rows_per_program`` asks for, so they
+    never move under a captured graph.
+
+    ``rows_per_program`` G > 1 (a uniform batch of G-token queries: each G
+    rows from row 0 are one request's, padding rows after them) lets one
+    program attend G rows over one key tile, so a causal verify block or a
+    DSpark draft block reads its request's keys once.
 
     Args:
         num_heads: H query heads on this rank.
@@ -336,12 +392,13 @@ class TritonMLASplitKV:
         device: where the buffers live.
         num_sms: SMs of the device (default: read from a CUDA device,
             ``SM90_NUM_SMS`` otherwise).
+        max_rows_per_program: the largest ``rows_per_program`` of a plan.
         max_partials: rows x splits capacity of the partial buffers (default:
             the most any automatic plan up to ``max_rows`` needs); raise it to
             force larger ``num_splits`` in ``plan``.
         block_n, block_h, num_warps, num_stages, min_split_keys, min_chunk,
-        programs_per_sm, max_splits: kernel and split-count knobs (see ``split_kv_decode`` and
-            ``choose_num_splits``).
+        programs_per_sm, max_splits: kernel and split-count knobs (see
+            ``split_kv_decode`` and ``choose_num_splits``).
     """
 
     def __init__(
@@ -356,6 +413,7 @@ class TritonMLASplitKV:
         max_local_len: int,
         device: torch.device | str = "cuda",
         num_sms: int | None = None,
+        max_rows_per_program: int = 1,
         max_partials: int | None = None,
         block_n: int = 32,
         block_h: int = 16,
@@ -383,9 +441,12 @@ class TritonMLASplitKV:
                                 min_split_keys=min_split_keys)
         self.split_args = dict(block_h=block_h, min_chunk=min_chunk,
                                programs_per_sm=programs_per_sm, max_splits=max_splits)
+        self.max_rows_per_program = max(max_rows_per_program, 1)
         if max_partials is None:
+            # More rows per program: fewer programs, so more splits.
             max_partials = max(
-                (n * self.splits_for(n) for n in range(1, max_rows + 1)), default=1)
+                (n * self.splits_for(n, self.max_rows_per_program)
+                 for n in range(1, max_rows + 1)), default=1)
         self.max_partials = max(max_partials, 1)
         self._part_out = torch.empty(self.max_partials * num_heads * kv_lora_rank,
                                      dtype=torch.float32, device=self.device)
@@ -393,12 +454,14 @@ class TritonMLASplitKV:
                                      dtype=torch.float32, device=self.device)
         self.num_tokens = 0
         self.num_splits = 1
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rows_per_program = 1
+        self._rows: tuple | None = None
 
-    def splits_for(self, num_rows: int) -> int:
+    def splits_for(self, num_rows: int, rows_per_program: int = 1) -> int:
         """The split count ``plan`` uses for ``num_rows`` rows."""
         return choose_num_splits(num_rows, self.num_heads, self.max_local_len,
-                                 self.num_sms, **self.split_args)
+                                 self.num_sms, rows_per_program=rows_per_program,
+                                 **self.split_args)
 
     def plan(
         self,
@@ -406,6 +469,8 @@ class TritonMLASplitKV:
         row_block_table: torch.Tensor,
         *,
         num_rows: int,
+        rows_per_program: int = 1,
+        row_to_req: torch.Tensor | None = None,
         num_splits: int | None = None,
     ) -> None:
         """Plan T rows (host work only; the tensors are kept by reference).
@@ -415,10 +480,22 @@ class TritonMLASplitKV:
                 (``FlatDecode.seq_lens``; 0 on padding rows).
             row_block_table: int32 [>= T, B] local block table of every row.
             num_rows: T, the rows every ``run`` of this forward gets.
+            rows_per_program: G, 1 or the query length of a uniform batch
+                (see the class docstring); at most ``max_rows_per_program``.
+            row_to_req: int32 [>= T] request of each row
+                (``FlatDecode.row_to_req``), needed when G > 1: rows of two
+                requests grouped by a wrong G give NaN, not a wrong answer.
             num_splits: force a split count (benchmarks); default
-                ``splits_for(num_rows)``.
+                ``splits_for(num_rows, rows_per_program)``.
         """
-        splits = self.splits_for(num_rows) if num_splits is None else num_splits
+        if not 1 <= rows_per_program <= self.max_rows_per_program:
+            raise ValueError(
+                f"split-KV MLA plan of {rows_per_program} rows per program; "
+                f"this kernel object allows 1..{self.max_rows_per_program}")
+        if rows_per_program > 1 and row_to_req is None:
+            raise ValueError("split-KV MLA with rows_per_program > 1 needs row_to_req")
+        splits = (self.splits_for(num_rows, rows_per_program) if num_splits is None
+                  else num_splits)
         if num_rows > self.max_rows or num_rows * splits > self.max_partials:
             raise ValueError(
                 f"split-KV MLA plan of {num_rows} rows x {splits} splits exceeds "
@@ -428,7 +505,8 @@ class TritonMLASplitKV:
             raise ValueError(f"split-KV MLA needs num_splits >= 1, got {splits}")
         self.num_tokens = num_rows
         self.num_splits = splits
-        self._rows = (row_lens, row_block_table)
+        self.rows_per_program = rows_per_program
+        self._rows = (row_lens, row_block_table, row_to_req)
 
     def run(
         self,
@@ -468,8 +546,10 @@ class TritonMLASplitKV:
         if lse is None:
             lse = torch.empty(num_tokens, self.num_heads, dtype=torch.float32,
                               device=q.device)
-        row_lens, row_table = self._rows
+        row_lens, row_table, row_to_req = self._rows
         split_kv_decode(q, kv_cache, row_table, row_lens, self._part_out,
                         self._part_lse, out, lse, num_splits=self.num_splits,
-                        sm_scale=self.sm_scale, **self.kernel_args)
+                        sm_scale=self.sm_scale,
+                        rows_per_program=self.rows_per_program,
+                        row_to_req=row_to_req, **self.kernel_args)
         return out, lse

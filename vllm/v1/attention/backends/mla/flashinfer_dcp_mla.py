@@ -84,6 +84,18 @@ def _sm90_num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _uniform_query_len(query_start_loc_cpu: torch.Tensor) -> int:
+    """n when every decode request with query tokens has n of them (a uniform
+    batch, as every CUDA-graph replay is; its rows then come in request
+    groups of n from row 0, padding after), else 1. From the host offsets,
+    which on sm90 equal the device's (the backend refuses a mismatch)."""
+    q_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+    q_lens = q_lens[q_lens > 0]
+    if q_lens.numel() == 0 or not bool((q_lens == q_lens[0]).all()):
+        return 1
+    return int(q_lens[0])
+
+
 def _check(vllm_config: VllmConfig, dcp_size: int, gpu_major: int | None) -> None:
     """``dcp_size``: the DCP size the builder runs at (vLLM >= 0.33 builds a
     cache every rank holds whole, a DCP-1 draft under a DCP target, at 1)."""
@@ -198,8 +210,9 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
     def _sm90_split_kernel(self, decode: DCPDecodeMetadata):
         """The group's split-KV kernel object, made on the first plan that
         takes that path; its partial buffers are sized for every row count
-        that does, and its split count follows the row count and the rank's
-        share of ``max_model_len`` only."""
+        that does, and its split count follows the row count, the rows per
+        program (a uniform batch's query length, else 1) and the rank's share
+        of ``max_model_len`` only."""
         from vllm.v1.attention.ops import triton_mla_split_kv as splitkv
         from vllm.v1.attention.ops.dcp_decode import dcp_local_seq_lens
 
@@ -219,7 +232,8 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             rope_dim=self.mla_dims.qk_rope_head_dim,
             max_rows=min(max(self._dcp_row_capacity(), decode.flat.num_rows),
                          num_sms),
-            max_local_len=max_local_len, device=self.device, num_sms=num_sms)
+            max_local_len=max_local_len, device=self.device, num_sms=num_sms,
+            max_rows_per_program=self._dcp_query_len_bound())
         decode.kernel_state["split_kv_sm90"] = kernel
         return kernel
 
@@ -259,7 +273,9 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         rows = decode.flat.slice(num_rows)
         if self._sm90_uses_split_kv(num_rows):
             kernel = self._sm90_split_kernel(decode)
-            kernel.plan(rows.seq_lens, rows.block_table, num_rows=num_rows)
+            kernel.plan(rows.seq_lens, rows.block_table, num_rows=num_rows,
+                        rows_per_program=_uniform_query_len(query_start_loc_cpu),
+                        row_to_req=rows.row_to_req)
         else:
             kernel = self._sm90_kernel(decode)
             plan = fa3.plan_prefix_tail_host(
