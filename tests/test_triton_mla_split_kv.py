@@ -274,6 +274,15 @@ def test_choose_num_splits():
     assert sk.choose_num_splits(32, 16, 65536, 132) == 9
 
 
+def test_heads_per_program():
+    """16 heads per program at G = 1; at G > 1 an MMA of 64 rows (G padded
+    to a power of 2), never fewer than 16 rows nor more heads than exist."""
+    hpp = sk.heads_per_program
+    assert [hpp(16, g) for g in (1, 2, 3, 4, 5, 8)] == [16, 16, 16, 16, 8, 8]
+    assert [hpp(128, g) for g in (1, 2, 4, 8)] == [16, 32, 16, 8]
+    assert [hpp(4, g) for g in (1, 2, 4, 8, 32)] == [16, 8, 4, 4, 2]
+
+
 def test_split_kv_preferred_is_a_row_count_threshold():
     """Split-KV while rows x 16-head blocks < SMs; 16 or 128 heads."""
     assert sk.split_kv_preferred(131, 16, 132)

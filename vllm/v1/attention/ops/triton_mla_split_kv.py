@@ -80,6 +80,21 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def heads_per_program(num_heads: int, rows_per_program: int, *,
+                      block_h: int = 16, block_m: int = 64) -> int:
+    """Heads of one stage-1 program: ``block_h`` for one row per program;
+    for G > 1 rows, enough heads for an MMA of ``block_m`` rows
+    (G padded to a power of 2), at least 16 rows, at most the heads."""
+    if rows_per_program <= 1:
+        return block_h
+    group = _pow2(rows_per_program)
+    return max(min(block_m // group, _pow2(num_heads)), triton_cdiv(16, group))
+
+
 def choose_num_splits(
     num_rows: int,
     num_heads: int,
@@ -125,8 +140,8 @@ if triton is not None:
         num_rows, num_heads, num_splits, group, min_split_keys, page_size,
         qk_scale_log2,
         DV: tl.constexpr, DR: tl.constexpr,
-        BLOCK_H: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_H: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     ):
         """Program = (``group`` rows from g * group, BLOCK_H heads, split s);
         partials [T, H, S, DV] and LSE [T, H, S], float32, natural log.
@@ -137,7 +152,6 @@ if triton is not None:
         row bounded by its own length); the split's chunk follows the group's
         longest row.
         """
-        BLOCK_M: tl.constexpr = GROUP_PAD * BLOCK_H
         first_row = tl.program_id(0) * group
         split = tl.program_id(2)
         m_idx = tl.arange(0, BLOCK_M)
@@ -283,7 +297,8 @@ def split_kv_decode(
     min_split_keys: int = 0,
     block_n: int = 32,
     block_h: int = 16,
-    num_warps: int = 4,
+    block_m: int = 64,
+    num_warps: int | None = None,
     num_stages: int = 2,
     merge_block_dv: int = 128,
     merge_split_tile: int = 16,
@@ -315,8 +330,13 @@ def split_kv_decode(
             than ``num_splits * min_split_keys`` leaves its last splits empty, which
             write only their -inf LSE); 0: the chunk is ``cdiv(row_len, S)``.
         block_n: keys per stage-1 loop step (power of 2, >= 16).
-        block_h: heads per stage-1 program (power of 2, >= 16: the MMA M).
-        num_warps, num_stages: stage-1 launch knobs.
+        block_h: heads per stage-1 program at G = 1 (power of 2, >= 16: the
+            MMA M).
+        block_m: MMA rows (G padded x heads) per stage-1 program at G > 1
+            (``heads_per_program``).
+        num_warps: stage-1 warps (None: 4, or 8 from 64 MMA rows on, whose
+            float32 accumulator [M, Dv] needs the registers).
+        num_stages: stage-1 software-pipelining stages.
         merge_block_dv, merge_split_tile: stage-2 latent columns per program
             and splits per loop step (powers of 2).
     """
@@ -330,7 +350,11 @@ def split_kv_decode(
     group = rows_per_program
     if group > 1 and row_to_req is None:
         raise ValueError("split-KV MLA with rows_per_program > 1 needs row_to_req")
-    grid1 = (triton.cdiv(num_rows, group), triton.cdiv(num_heads, block_h), num_splits)
+    heads = heads_per_program(num_heads, group, block_h=block_h, block_m=block_m)
+    block_rows = triton.next_power_of_2(group) * heads
+    if num_warps is None:
+        num_warps = 8 if block_rows >= 64 else 4
+    grid1 = (triton.cdiv(num_rows, group), triton.cdiv(num_heads, heads), num_splits)
     _split_kv_stage1[grid1](
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1),
@@ -339,8 +363,8 @@ def split_kv_decode(
         part_out, part_lse,
         num_rows, num_heads, num_splits, group, min_split_keys, kv_cache.shape[1],
         sm_scale * _LOG2E,
-        DV=dv, DR=width - dv, BLOCK_H=block_h,
-        GROUP_PAD=triton.next_power_of_2(group), BLOCK_N=block_n,
+        DV=dv, DR=width - dv, BLOCK_H=heads,
+        GROUP_PAD=triton.next_power_of_2(group), BLOCK_M=block_rows, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
     )
@@ -396,7 +420,7 @@ class TritonMLASplitKV:
         max_partials: rows x splits capacity of the partial buffers (default:
             the most any automatic plan up to ``max_rows`` needs); raise it to
             force larger ``num_splits`` in ``plan``.
-        block_n, block_h, num_warps, num_stages, min_split_keys, min_chunk,
+        block_n, block_h, block_m, num_warps, num_stages, min_split_keys, min_chunk,
         programs_per_sm, max_splits: kernel and split-count knobs (see
             ``split_kv_decode`` and ``choose_num_splits``).
     """
@@ -417,7 +441,8 @@ class TritonMLASplitKV:
         max_partials: int | None = None,
         block_n: int = 32,
         block_h: int = 16,
-        num_warps: int = 4,
+        block_m: int = 64,
+        num_warps: int | None = None,
         num_stages: int = 2,
         min_split_keys: int = 0,
         min_chunk: int = 512,
@@ -436,17 +461,17 @@ class TritonMLASplitKV:
         self.max_rows = max_rows
         self.max_local_len = max_local_len
         self.num_sms = num_sms
-        self.kernel_args = dict(block_n=block_n, block_h=block_h,
+        self.kernel_args = dict(block_n=block_n, block_h=block_h, block_m=block_m,
                                 num_warps=num_warps, num_stages=num_stages,
                                 min_split_keys=min_split_keys)
-        self.split_args = dict(block_h=block_h, min_chunk=min_chunk,
-                               programs_per_sm=programs_per_sm, max_splits=max_splits)
+        self.block_h, self.block_m = block_h, block_m
+        self.split_args = dict(min_chunk=min_chunk, programs_per_sm=programs_per_sm,
+                               max_splits=max_splits)
         self.max_rows_per_program = max(max_rows_per_program, 1)
         if max_partials is None:
-            # More rows per program: fewer programs, so more splits.
             max_partials = max(
-                (n * self.splits_for(n, self.max_rows_per_program)
-                 for n in range(1, max_rows + 1)), default=1)
+                (n * self.splits_for(n, g) for n in range(1, max_rows + 1)
+                 for g in range(1, self.max_rows_per_program + 1)), default=1)
         self.max_partials = max(max_partials, 1)
         self._part_out = torch.empty(self.max_partials * num_heads * kv_lora_rank,
                                      dtype=torch.float32, device=self.device)
@@ -459,9 +484,11 @@ class TritonMLASplitKV:
 
     def splits_for(self, num_rows: int, rows_per_program: int = 1) -> int:
         """The split count ``plan`` uses for ``num_rows`` rows."""
+        heads = heads_per_program(self.num_heads, rows_per_program,
+                                  block_h=self.block_h, block_m=self.block_m)
         return choose_num_splits(num_rows, self.num_heads, self.max_local_len,
                                  self.num_sms, rows_per_program=rows_per_program,
-                                 **self.split_args)
+                                 block_h=heads, **self.split_args)
 
     def plan(
         self,
