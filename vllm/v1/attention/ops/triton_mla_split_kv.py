@@ -59,9 +59,8 @@ def split_kv_preferred(num_rows: int, num_heads: int, num_sms: int, *,
     """Whether a decode forward of ``num_rows`` (padded) rows runs split-KV.
 
     Rule: split-KV while the rows x head blocks (``block_h`` heads each) are
-    fewer than the SMs, i.e. while one program per (row, head block) -- the
-    unit FA3's prefix+tail plan and the tail kernel work in -- cannot fill
-    the GPU; the FA3 prefix+tail plan otherwise. It depends only on the
+    fewer than the SMs, i.e. while one program per (row, head block) cannot
+    fill the GPU; the FA3 prefix+tail plan otherwise. It depends only on the
     padded row count and fixed config, so every batch of one CUDA-graph size
     runs one path (a captured graph holds one path's kernels).
 
@@ -73,10 +72,10 @@ def split_kv_preferred(num_rows: int, num_heads: int, num_sms: int, *,
     The threshold between (rows x head blocks = SMs) is provisional until the
     split-KV sweep of ``benchmarks/decode_step.py`` places it.
     """
-    return num_rows * triton_cdiv(num_heads, block_h) < num_sms
+    return num_rows * _cdiv(num_heads, block_h) < num_sms
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -92,7 +91,7 @@ def heads_per_program(num_heads: int, rows_per_program: int, *,
     if rows_per_program <= 1:
         return block_h
     group = _pow2(rows_per_program)
-    return max(min(block_m // group, _pow2(num_heads)), triton_cdiv(16, group))
+    return max(min(block_m // group, _pow2(num_heads)), _cdiv(16, group))
 
 
 def choose_num_splits(
@@ -110,10 +109,11 @@ def choose_num_splits(
     """Splits per row for a forward of ``num_rows`` rows (host ints only).
 
     Enough stage-1 programs to give every SM ``programs_per_sm`` of them
-    (row groups of ``rows_per_program`` x head blocks x splits), but no split shorter than ``min_chunk``
-    keys of the longest possible row (``max_local_len``: each split writes a
-    ``H x Dv`` float32 partial that stage 2 reads back), and at most
-    ``max_splits``. 1 once the rows alone fill the SMs.
+    (groups of ``rows_per_program`` rows x blocks of ``block_h`` heads x
+    splits), but no split shorter than ``min_chunk`` keys of the longest
+    possible row (``max_local_len``: each split writes an ``H x Dv`` float32
+    partial that stage 2 reads back), and at most ``max_splits``. 1 once the
+    row groups alone fill the SMs.
 
     Pass a fixed ``max_local_len`` (the rank's share of the longest sequence
     the model allows) so that the count depends only on ``num_rows``: a
@@ -121,9 +121,9 @@ def choose_num_splits(
     """
     if num_rows <= 0:
         return 1
-    programs = (triton_cdiv(num_rows, rows_per_program)
-                * triton_cdiv(num_heads, block_h))
-    wanted = triton_cdiv(programs_per_sm * num_sms, programs)
+    programs = (_cdiv(num_rows, rows_per_program)
+                * _cdiv(num_heads, block_h))
+    wanted = _cdiv(programs_per_sm * num_sms, programs)
     by_len = max_local_len // max(min_chunk, 1)
     return max(1, min(wanted, by_len, max_splits))
 
