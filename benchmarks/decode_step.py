@@ -41,7 +41,7 @@ from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
 from vllm.v1.attention.ops.triton_mla_split_kv import (
-    TritonMLASplitKV, split_kv_preferred)
+    TritonMLASplitKV, heads_per_program, split_kv_preferred)
 
 DV, DR, PAGE = 512, 64, 64
 HBM_TBPS = 4.25  # measured copy bandwidth here
@@ -185,12 +185,17 @@ def point(setup, ws, args):
     base = dict(batch=setup.batch, ctx=setup.ctx, W=setup.world, layers=setup.layers,
                 heads=setup.heads, local_tokens=setup.local)
     # FlashInfer's own causal multi-token decode (no DCP) on the same local KV.
-    native = FlashInferSm90MLA(ws, num_heads=setup.heads, page_size=PAGE,
-                               sm_scale=setup.scale, dtype=torch.bfloat16)
-    native.plan_requests(setup.qsl.to("cuda"),
-                         torch.full((setup.batch,), setup.local, dtype=torch.int32,
-                                    device="cuda"), setup.table, causal=True)
-    native_ms = time_ms(lambda: native.run(setup.qs[0], setup.caches[0]), 20)
+    try:
+        native = FlashInferSm90MLA(ws, num_heads=setup.heads, page_size=PAGE,
+                                   sm_scale=setup.scale, dtype=torch.bfloat16)
+    except ImportError:  # no FlashInfer: split-KV only (--paths split)
+        native = None
+        native_ms = float("nan")
+    if native is not None:
+        native.plan_requests(setup.qsl.to("cuda"),
+                             torch.full((setup.batch,), setup.local, dtype=torch.int32,
+                                        device="cuda"), setup.table, causal=True)
+        native_ms = time_ms(lambda: native.run(setup.qs[0], setup.caches[0]), 20)
     chosen = ("split" if split_kv_preferred(setup.rows, setup.heads,
                                             torch.cuda.get_device_properties(0)
                                             .multi_processor_count) else "fa3")
@@ -229,7 +234,8 @@ def sweep_point(setup, group, sms, results):
     """Every knob set at one point and rows-per-program G; prints the best."""
     best = None
     auto = split_kernel(setup, None).splits_for(setup.rows, group)
-    programs = -(-setup.rows // group) * -(-setup.heads // 16)
+    heads = heads_per_program(setup.heads, group)
+    programs = -(-setup.rows // group) * -(-setup.heads // heads)
     split_counts = sorted({max(1, auto // 2), auto, auto * 2, max(1, sms // programs)})
     grid = [(bn, wp, st, sp, mk) for bn in (16, 32, 64) for wp in (4, 8)
             for st in (1, 2) for sp in split_counts for mk in (0, 256)]

@@ -134,10 +134,12 @@ def test_triton_path_split_kv_matches_dense(dtype, num_splits):
 
 @needs_triton
 @pytest.mark.parametrize("knobs", [dict(block_n=16, block_h=16),
-                                   dict(block_n=64, block_h=32, num_warps=8)])
+                                   dict(block_n=64, block_h=32, num_warps=8),
+                                   dict(block_n=16, min_split_keys=40)])
 def test_triton_path_split_kv_knobs(knobs):
     """Other key / head blocks give the same result (the chunk is rounded to
-    the key block: with 64-key blocks most splits of short rows are empty)."""
+    the key block: with 64-key blocks most splits of short rows are empty),
+    and so does a floor of 40 keys (48 after rounding) per split."""
     gen = torch.Generator().manual_seed(3)
     dv, dr, page, heads = 64, 16, 16, 12
     lens = torch.tensor([70, 0, 33, 200, 1], dtype=torch.int32)

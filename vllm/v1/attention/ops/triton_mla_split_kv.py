@@ -368,6 +368,8 @@ def split_kv_decode(
         PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
     )
+    if upcast:  # the interpreter pays per program: one per (row, head)
+        merge_block_dv = triton.next_power_of_2(dv)
     grid2 = (num_rows, num_heads, triton.cdiv(dv, merge_block_dv))
     _split_kv_stage2[grid2](
         part_out, part_lse,
