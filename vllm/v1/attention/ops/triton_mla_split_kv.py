@@ -104,7 +104,7 @@ def choose_num_splits(
     block_h: int = 16,
     min_chunk: int = 512,
     programs_per_sm: int = 2,
-    max_splits: int = 64,
+    max_splits: int = 256,
 ) -> int:
     """Splits per row for a forward of ``num_rows`` rows (host ints only).
 
@@ -449,7 +449,7 @@ class TritonMLASplitKV:
         min_split_keys: int = 0,
         min_chunk: int = 512,
         programs_per_sm: int = 2,
-        max_splits: int = 64,
+        max_splits: int = 256,
     ) -> None:
         self.device = torch.device(device)
         if num_sms is None:
