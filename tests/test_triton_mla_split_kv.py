@@ -260,7 +260,8 @@ def test_choose_num_splits():
     the longest row, capped; 1 once the rows fill the SMs."""
     # Batch 1 x q_len 4, 16 heads, 32K local keys: 2 programs per SM.
     assert sk.choose_num_splits(4, 16, 65536, 132, max_splits=1000) == 66
-    assert sk.choose_num_splits(4, 16, 65536, 132) == 64  # capped
+    assert sk.choose_num_splits(4, 16, 65536, 132) == 66
+    assert sk.choose_num_splits(4, 16, 65536, 132, max_splits=64) == 64  # capped
     assert sk.choose_num_splits(4, 128, 32768, 132) == 9  # 8 head blocks
     assert sk.choose_num_splits(4, 16, 2048, 132) == 4  # 512-key chunks
     assert sk.choose_num_splits(4, 16, 100, 132) == 1
@@ -309,7 +310,7 @@ def test_plan_is_host_only_and_buffers_fixed():
             assert mla.num_splits == mla.splits_for(rows, group)
             assert rows * mla.num_splits <= mla.max_partials
     assert (mla._part_out.data_ptr(), mla._part_lse.data_ptr()) == ptrs
-    assert mla.splits_for(1) == 64 and mla.splits_for(64) == 5
+    assert mla.splits_for(1) == 128 and mla.splits_for(64) == 5
     assert mla.splits_for(64, 4) == 17
     with pytest.raises(ValueError, match="exceeds the buffers"):
         mla.plan(lens, table, num_rows=65)

@@ -104,7 +104,7 @@ def choose_num_splits(
     block_h: int = 16,
     min_chunk: int = 512,
     programs_per_sm: int = 2,
-    max_splits: int = 64,
+    max_splits: int = 256,
 ) -> int:
     """Splits per row for a forward of ``num_rows`` rows (host ints only).
 
@@ -321,14 +321,14 @@ def split_kv_decode(
         sm_scale: softmax scale applied to ``q . k``.
         rows_per_program: G, consecutive rows one stage-1 program attends
             together (padded to a power of 2 in the MMA's M): each G-row
-            group from row 0 must hold
-            one request's rows (any of them may have no keys), e.g. a uniform
-            batch of G-token queries; rows of two requests in one group
-            give NaN. 1: no such condition.
+            group from row 0 must hold one request's rows (any of them may
+            have no keys), e.g. a uniform batch of G-token queries; rows of
+            two requests in one group give NaN. 1: no such condition.
         row_to_req: int32 [>= T] request of each row (read when G > 1).
         min_split_keys: fewest keys per split (device side: a row shorter
-            than ``num_splits * min_split_keys`` leaves its last splits empty, which
-            write only their -inf LSE); 0: the chunk is ``cdiv(row_len, S)``.
+            than ``num_splits * min_split_keys`` leaves its last splits
+            empty, which write only their -inf LSE); 0: the chunk is
+            ``cdiv(row_len, S)`` (rounded up to ``block_n``).
         block_n: keys per stage-1 loop step (power of 2, >= 16).
         block_h: heads per stage-1 program at G = 1 (power of 2, >= 16: the
             MMA M).
@@ -449,7 +449,7 @@ class TritonMLASplitKV:
         min_split_keys: int = 0,
         min_chunk: int = 512,
         programs_per_sm: int = 2,
-        max_splits: int = 64,
+        max_splits: int = 256,
     ) -> None:
         self.device = torch.device(device)
         if num_sms is None:
