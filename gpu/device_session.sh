@@ -30,7 +30,7 @@ python3 -m zipfile -e "$WHL/v$FI.zip" $D && python3 -m zipfile -e "$WHL/common.z
 export PYTHONPATH=$D:. FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)"
 # 1. Split-KV on CUDA: captured layer stacks replayed for changing batches == eager == dense.
-TAIL=6 step graph_split 50 python3 -m gpu.check_graph --paths split split1 --batches 4
+TAIL=6 step graph_split 50 python3 -m gpu.check_graph --paths split split1 --world 4 --batches 3
 # 2. Decode steps, both paths, the issue's points at 61 layers (graph replay, eager, native).
 TAIL=70 step decode_step 120 python3 -m benchmarks.decode_step --layers 61 --batch 1 8 64 \
   --ctx 32768 262144 --world 1 2 4 8 --paths split fa3 --out-dir $RES
