@@ -20,7 +20,7 @@ python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || e
 if [ "$MODE" != bench ]; then  # all, check, decode
   step pytest
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_dcp_metadata.py \
-    tests/test_flashinfer_sm90_adapter.py 2>&1 | tail -15
+    tests/test_flashinfer_sm90_mla.py 2>&1 | tail -15
   step test_flashinfer_sm90_dcp
   FA3_DCP_CSV=$RES/check_flashinfer.csv timeout 240 python3 -m pytest -q -p no:cacheprovider \
     -W ignore tests/gpu/test_flashinfer_sm90_dcp.py 2>&1 | tail -15

@@ -26,7 +26,7 @@ for v in "$@"; do
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || continue
   [ -z "$FIRST" ] && FIRST=$v
   step "$v pytest"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_flashinfer_sm90_adapter.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_flashinfer_sm90_mla.py \
     tests/test_triton_dcp_metadata.py 2>&1 | tail -6
   step "$v test_flashinfer_sm90_dcp"
   FA3_DCP_CSV=$RES/check_$v.csv timeout 240 python3 -m pytest -q -p no:cacheprovider -W ignore \

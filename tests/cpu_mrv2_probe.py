@@ -8,7 +8,7 @@ With the switch on it also drives vLLM's own code through the route: the
 MRV2 slot-mapping Triton kernel under DCP (``gpu/block_table.py``, in the
 interpreter) against the project's torch slot mapping, vLLM's DCP output
 correction (``correct_attn_out``) against a plain LSE merge, and vLLM's K3
-decode epilogue wrapper against ``tests/test_cpu_k3_decode_q_concat.py``'s
+decode epilogue wrapper against ``tests/test_cpu_k3_mla_decode_q_concat.py``'s
 reference.
 """
 

@@ -265,7 +265,7 @@ def test_forward_mqa_merges_to_full_attention(tmp_path, backend, world_size,
 
 
 # The sm90 path (builder plans FA3 once per forward, layers only run) is
-# tested with the real adapter in test_flashinfer_sm90_backend.py.
+# tested with the real adapter in test_flashinfer_dcp_mla.py.
 
 
 def test_plugin_registers_the_dcp_backends():

@@ -6,7 +6,7 @@ vLLM 0.32's own ``VllmConfig``, ``CommonAttentionMetadata`` and the real
 plans FA3 from host data once per forward (``seq_lens_cpu_upper_bound``
 optimistic by up to the draft tokens, as under async speculative decoding),
 every layer's ``forward_mqa`` only runs. FA3 is the stand-in of
-``test_flashinfer_sm90_adapter`` (honours the plan it is given, FlashInfer
+``test_flashinfer_sm90_mla`` (honours the plan it is given, FlashInfer
 0.7.4's planned-shape contract, CUDA-graph wrappers with reserved buffers);
 the tail kernel is the real Triton one, so the ``triton_path`` tests run under
 ``TRITON_INTERPRET=1`` (``test_interpreter_runs_triton_path_tests`` starts
@@ -29,7 +29,7 @@ import torch
 from builder_harness import common_metadata, fake_dcp_group, make_builder, make_vllm_config
 from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
 from kernel_stubs import import_on_cpu
-from test_flashinfer_sm90_adapter import _FakeMeta, _FakeWrapper
+from test_flashinfer_sm90_mla import _FakeMeta, _FakeWrapper
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
 
