@@ -21,6 +21,7 @@ import torch
 
 from vllm.v1.attention.ops.dcp_decode import FlatDecode
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (FlashInferSm90MLA,
+                                                       plan_fa3_csr,
                                                        plan_prefix_tail_host)
 
 __all__ = ["NativeFA3MLA", "paged_kv_csr", "plan_prefix_tail_from_rows"]
@@ -84,26 +85,9 @@ class NativeFA3MLA:
             causal: bottom-right aligned causal mask, else every query row
                 sees the request's whole KV.
         """
-        from flashinfer.mla import MLAPlanMetadata
-
         kv_indptr, kv_indices = paged_kv_csr(kv_lens, block_table, self.page_size)
-        self._wrapper.plan(
-            metadata=MLAPlanMetadata.csr(
-                qo_indptr=query_start_loc.cpu().to(torch.int32),
-                kv_indptr=kv_indptr,
-                kv_indices=kv_indices,
-                kv_len_arr=kv_lens.cpu().to(torch.int32),
-            ),
-            num_heads=self.num_heads,
-            head_dim_ckv=self.kv_lora_rank,
-            head_dim_kpe=self.rope_dim,
-            page_size=self.page_size,
-            causal=causal,
-            sm_scale=self.sm_scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-            lse_mode="base2",
-        )
+        plan_fa3_csr(self._wrapper, self, query_start_loc.cpu(), kv_indptr,
+                     kv_indices, kv_lens.cpu(), causal=causal)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *,
             out: torch.Tensor | None = None,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import types
 from types import SimpleNamespace
 from unittest import mock
 
@@ -29,7 +28,7 @@ import torch
 from builder_harness import common_metadata, fake_dcp_group, make_builder, make_vllm_config
 from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
 from kernel_stubs import import_on_cpu
-from test_flashinfer_sm90_mla import _FakeMeta, _FakeWrapper
+from test_flashinfer_sm90_mla import _FakeWrapper, fake_flashinfer_package
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
 
@@ -50,12 +49,7 @@ NUM_SPEC = 3
 def sm90(monkeypatch):
     """The backend module as on an H200, FA3 stood in by the plan-honouring fake."""
     module = import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_dcp_mla")
-    pkg = types.ModuleType("flashinfer")
-    mla = types.ModuleType("flashinfer.mla")
-    mla.BatchMLAPagedAttentionWrapper = _FakeWrapper
-    mla.MLAPlanMetadata = _FakeMeta
-    pkg.mla = mla
-    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", fake_flashinfer_package().mla)
     monkeypatch.setattr(module.checks, "current_gpu_major", lambda: 9)
     monkeypatch.setattr(module, "_get_workspace_buffer",
                         lambda *a, **k: torch.empty(8, dtype=torch.uint8))

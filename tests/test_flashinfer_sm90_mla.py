@@ -151,15 +151,21 @@ class _FakeMeta:
                    kv_indices=kv_indices, kv_len_arr=kv_len_arr)
 
 
+def fake_flashinfer_package() -> types.ModuleType:
+    """A ``flashinfer`` package whose ``mla`` module's FA3 wrapper is the
+    plan-honouring fake."""
+    pkg = types.ModuleType("flashinfer")
+    pkg.mla = types.ModuleType("flashinfer.mla")
+    pkg.mla.BatchMLAPagedAttentionWrapper = _FakeWrapper
+    pkg.mla.MLAPlanMetadata = _FakeMeta
+    return pkg
+
+
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    pkg = types.ModuleType("flashinfer")
-    mla = types.ModuleType("flashinfer.mla")
-    mla.BatchMLAPagedAttentionWrapper = _FakeWrapper
-    mla.MLAPlanMetadata = _FakeMeta
-    pkg.mla = mla
+    pkg = fake_flashinfer_package()
     monkeypatch.setitem(sys.modules, "flashinfer", pkg)
-    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", pkg.mla)
     _FakeWrapper.calls = []
     return _FakeWrapper
 

@@ -43,6 +43,7 @@ __all__ = [
     "PrefixTailPlan",
     "TailRows",
     "host_prefix_lens",
+    "plan_fa3_csr",
     "plan_prefix_tail_host",
 ]
 
@@ -183,6 +184,45 @@ def host_prefix_lens(
     return layout.local_seq_lens(first.clamp(min=0))
 
 
+def plan_fa3_csr(wrapper, shape, qo_indptr, kv_indptr, kv_indices, kv_lens, *,
+                 causal: bool) -> None:
+    """Plan FlashInfer's FA3 MLA wrapper over S segments given in CSR form.
+
+    Args:
+        wrapper: a ``flashinfer.mla.BatchMLAPagedAttentionWrapper``
+            (``backend="fa3"``).
+        shape: what the plan is for: ``num_heads``, ``kv_lora_rank``,
+            ``rope_dim``, ``page_size``, ``sm_scale``, ``dtype`` attributes
+            (a ``FlashInferSm90MLA``, or a baseline with the same fields).
+        qo_indptr: int CPU [S + 1] segment query offsets.
+        kv_indptr: int CPU [S + 1] segment page offsets.
+        kv_indices: int32 [>= kv_indptr[-1]] page ids, on the device.
+        kv_lens: int CPU [S] KV tokens of each segment.
+        causal: bottom-right aligned causal mask within each segment.
+
+    The LSE ``run`` then returns is base 2 (``lse_mode="base2"``).
+    """
+    from flashinfer.mla import MLAPlanMetadata
+
+    wrapper.plan(
+        metadata=MLAPlanMetadata.csr(
+            qo_indptr=qo_indptr.to(torch.int32),
+            kv_indptr=kv_indptr.to(torch.int32),
+            kv_indices=kv_indices,
+            kv_len_arr=kv_lens.to(torch.int32),
+        ),
+        num_heads=shape.num_heads,
+        head_dim_ckv=shape.kv_lora_rank,
+        head_dim_kpe=shape.rope_dim,
+        page_size=shape.page_size,
+        causal=causal,
+        sm_scale=shape.sm_scale,
+        q_data_type=shape.dtype,
+        kv_data_type=shape.dtype,
+        lse_mode="base2",
+    )
+
+
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host-to-device copy without a device-to-host sync."""
     if device.type == "cuda":
@@ -303,29 +343,6 @@ class FlashInferSm90MLA:
         return wrapper
 
     # ---------------------------------------------------------------- plans
-    def _plan_fa3(self, qo_indptr, kv_indptr, kv_indices, kv_lens) -> None:
-        """Non-causal FA3 plan of the segments (host CSR offsets and lengths,
-        device page indices)."""
-        from flashinfer.mla import MLAPlanMetadata
-
-        self._wrapper.plan(
-            metadata=MLAPlanMetadata.csr(
-                qo_indptr=qo_indptr.to(torch.int32),
-                kv_indptr=kv_indptr.to(torch.int32),
-                kv_indices=kv_indices,
-                kv_len_arr=kv_lens.to(torch.int32),
-            ),
-            num_heads=self.num_heads,
-            head_dim_ckv=self.kv_lora_rank,
-            head_dim_kpe=self.rope_dim,
-            page_size=self.page_size,
-            causal=False,
-            sm_scale=self.sm_scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-            lse_mode="base2",
-        )
-
     def plan_prefix_tail(
         self,
         plan: PrefixTailPlan,
@@ -360,8 +377,8 @@ class FlashInferSm90MLA:
                                   tables.to(torch.int32).reshape(-1))
         self._row_prefix[:num_rows].copy_(_to_device(plan.row_prefix, device))
         self._wrapper = self._wrapper_for(num_segs)
-        self._plan_fa3(plan.qo_indptr, plan.kv_indptr, self._kv_indices[:spare],
-                       plan.kv_lens)
+        plan_fa3_csr(self._wrapper, self, plan.qo_indptr, plan.kv_indptr,
+                     self._kv_indices[:spare], plan.kv_lens, causal=False)
         self.num_tokens = num_rows
         self.tail = TailRows(block_table=row_block_table, row_lens=row_lens,
                              prefix_lens=self._row_prefix)
