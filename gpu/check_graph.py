@@ -1,14 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Device check: sm90 FA3 planned outside the graph, layers replayed in one graph.
+"""Device check: sm90 paths planned outside the graph, layers replayed in one graph.
 
 Mirrors what ``FlashInferDCPMLAMetadataBuilder`` (sm90) and
 ``FlashInferDCPMLAImpl._decode_rows_sm90`` do, through the same ops calls (the
 GPU host has no vLLM): per forward, the rows go into persistent buffers
-(``build_flat_decode_triton``), the prefix bounds come from host data
-(``host_prefix_lens``, with the async-spec slack: the host lengths given are
-upper bounds, exceeding the exact ones by up to ``slack``), and
-``plan_prefix_tail_host`` + ``FlashInferSm90MLA.plan_prefix_tail`` plan once;
-every one of L layers calls ``FlashInferSm90MLA.run`` on its own q and KV.
+(``build_flat_decode_triton``), then one of the two paths plans once:
+
+- fa3: the prefix bounds come from host data (``host_prefix_lens``, with the
+  async-spec slack: the host lengths given are upper bounds, exceeding the
+  exact ones by up to ``slack``), and ``plan_prefix_tail_host`` +
+  ``FlashInferSm90MLA.plan_prefix_tail`` plan; every one of L layers calls
+  ``FlashInferSm90MLA.run`` on its own q and KV;
+- split: ``TritonMLASplitKV.plan`` over the persistent rows (split count from
+  the row count and ``--split-max-model-len`` only), each request's q_len
+  rows in one program (the batches are uniform, as in a graph); every layer
+  calls its ``run``. split1: the same with one row per program.
 
 Per rank, one CUDA graph of the L layers is captured once, then replayed for
 changing batches (real request count, lengths, host slack, queries) of the
@@ -33,6 +39,7 @@ from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
+from vllm.v1.attention.ops.triton_mla_split_kv import TritonMLASplitKV
 
 DV, DR = 512, 64
 
@@ -50,7 +57,7 @@ def make_cache(cap_lens, page, gen):
     return cache.to(torch.bfloat16), table
 
 
-def run_config(heads, world, inter, causal, args, dev):
+def run_config(heads, world, inter, causal, args, dev, path="fa3"):
     gen = torch.Generator().manual_seed(heads * 100 + world * 10 + int(causal))
     num_reqs, q_len, page, layers = args.reqs, args.q_len, args.page, args.layers
     rows = num_reqs * q_len
@@ -72,10 +79,17 @@ def run_config(heads, world, inter, causal, args, dev):
         local_caches = [shards[l][r][0].to(dev).to(torch.bfloat16) for l in range(layers)]
         local_table = shards[0][r][1].to(dev)  # one shuffle seed: same for all layers
         assert all(torch.equal(shards[l][r][1], shards[0][r][1]) for l in range(layers))
-        ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-        kernel = FlashInferSm90MLA(ws, num_heads=heads, page_size=page,
-                                   sm_scale=scale, dtype=torch.bfloat16,
-                                   max_rows=rows, max_cols=local_table.shape[1])
+        if path == "fa3":
+            ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+            kernel = FlashInferSm90MLA(ws, num_heads=heads, page_size=page,
+                                       sm_scale=scale, dtype=torch.bfloat16,
+                                       max_rows=rows, max_cols=local_table.shape[1])
+        else:
+            max_local = -(-args.split_max_model_len // world)
+            kernel = TritonMLASplitKV(num_heads=heads, sm_scale=scale,
+                                      dtype=torch.bfloat16, max_rows=rows,
+                                      max_local_len=max_local, device=dev,
+                                      max_rows_per_program=q_len)
         flat_buf = alloc_flat_decode(rows, local_table.shape[1], dev)
         ranks.append(dict(caches=local_caches, table=local_table, kernel=kernel,
                           flat_buf=flat_buf))
@@ -105,6 +119,12 @@ def run_config(heads, world, inter, causal, args, dev):
             lens.to(dev), qsl.to(dev), rank_state["table"],
             layout=DCPLayout(world, r, inter), causal=causal,
             num_rows=rows, out=rank_state["flat_buf"])
+        if path.startswith("split"):
+            rank_state["kernel"].plan(
+                flat.seq_lens, flat.block_table, num_rows=rows,
+                rows_per_program=q_len if path == "split" else 1,
+                row_to_req=flat.row_to_req)
+            return
         prefix = host_prefix_lens(host_lens, qsl, causal=causal, slack=slack,
                                   layout=DCPLayout(world, r, inter))
         host_plan = plan_prefix_tail_host(qsl, prefix, num_rows=rows, page_size=page)
@@ -157,7 +177,10 @@ def run_config(heads, world, inter, causal, args, dev):
                 eo, el = eager[l]
                 diff = max((go.float() - eo.float()).abs().max().item(),
                            (gl - el).abs().nan_to_num(0.0).max().item())
-                same = torch.equal(go, eo) and torch.equal(gl.isinf(), el.isinf())
+                # FA3: output bitwise, LSE's -inf pattern; split-KV: both bitwise.
+                same = torch.equal(go, eo) and (
+                    torch.equal(gl, el) if path.startswith("split")
+                    else torch.equal(gl.isinf(), el.isinf()))
                 worst["replay_vs_eager"] = max(worst["replay_vs_eager"], diff)
                 worst["exact"] &= same
                 ok &= bool(torch.isfinite(go).all()) and diff <= 1e-3
@@ -200,23 +223,31 @@ def main():
     ap.add_argument("--max-len", type=int, default=3000)
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--paths", nargs="+", choices=["fa3", "split", "split1"],
+                    default=["fa3", "split", "split1"])
+    ap.add_argument("--split-max-model-len", type=int, default=65536,
+                    help="split-KV: sets its split count (the rank's share)")
     ap.add_argument("--plant-plain-wrapper", action="store_true",
                     help="sensitivity: plan through FlashInfer's non-graph wrapper "
                          "(a new integer workspace per plan; must fail)")
     args = ap.parse_args()
     dev = args.device
     all_ok = True
-    print(f"{'H':>4}{'W':>3}{'causal':>7}{'replay-eager':>14}{'exact':>6}"
+    print(f"{'path':>6}{'H':>4}{'W':>3}{'causal':>7}{'replay-eager':>14}{'exact':>6}"
           f"{'max|err|':>10}{'lse err':>10}{'eager ms':>10}{'graph ms':>10}{'ok':>4}")
-    for heads in args.heads:
-        for world in args.world:
-            for causal in (True, False):
-                ok, w, te, tg = run_config(heads, world, args.interleave, causal,
-                                           args, dev)
-                all_ok &= ok
-                print(f"{heads:4}{world:3}{str(causal):>7}{w['replay_vs_eager']:14.2e}"
-                      f"{str(w['exact'])[0]:>6}{w['out_err']:10.2e}{w['lse_err']:10.2e}"
-                      f"{te:10.3f}{tg:10.3f}{str(ok)[0]:>4}")
+    for path in args.paths:
+        for heads in args.heads:
+            for world in args.world:
+                for causal in (True, False):
+                    ok, w, te, tg = run_config(heads, world, args.interleave, causal,
+                                               args, dev, path)
+                    if path.startswith("split"):  # same launches and data: bitwise
+                        ok &= w["exact"]
+                    all_ok &= ok
+                    print(f"{path:>6}{heads:4}{world:3}{str(causal):>7}"
+                          f"{w['replay_vs_eager']:14.2e}{str(w['exact'])[0]:>6}"
+                          f"{w['out_err']:10.2e}{w['lse_err']:10.2e}"
+                          f"{te:10.3f}{tg:10.3f}{str(ok)[0]:>4}")
     print(f"graph replay == eager and == dense reference for every batch: {all_ok}")
     sys.exit(0 if all_ok else 1)
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Device run: for each FlashInfer version given, unpack it (trimmed zips under
 # $WHL: v<version>.zip without the cutlass/cccl/spdlog headers, common.zip with
-# them, the apache-tvm-ffi wheel), then run the CUDA adapter tests, the DCP
-# check against float32 full attention (peaky + flat LSE-sensitivity passes)
-# and the CUDA-graph replay check (the DCP test also asserts that a planted
-# off-by-one bound is caught). PLANT=1 adds the planted graph run (FlashInfer's
-# non-graph wrapper under a graph), which must fail.
+# them, the apache-tvm-ffi wheel), then run the CUDA adapter and split-KV
+# kernel tests, the DCP check against float32 full attention (peaky + flat
+# LSE-sensitivity passes; it also asserts that a planted off-by-one bound is
+# caught) and the CUDA-graph replay check (FA3 prefix+tail and split-KV paths).
+# PLANT=1 adds the planted graph run (FlashInfer's non-graph wrapper under a
+# graph), which must fail.
 # Usage (repo root, on the device): WHL=path bash gpu/run_versions.sh 0.7.4 0.7.2.post1
 set -u
 OUT=${OUT:-.out}; mkdir -p "$OUT"; RES=/tmp/dcp_results; rm -rf $RES; mkdir -p $RES
@@ -26,21 +27,21 @@ for v in "$@"; do
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || continue
   [ -z "$FIRST" ] && FIRST=$v
   step "$v pytest"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_flashinfer_sm90_mla.py \
-    tests/test_triton_dcp_metadata.py 2>&1 | tail -6
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_flashinfer_sm90_mla.py \
+    tests/test_triton_dcp_metadata.py tests/test_triton_mla_split_kv.py 2>&1 | tail -6
   step "$v test_flashinfer_sm90_dcp"
   FA3_DCP_CSV=$RES/check_$v.csv timeout 240 python3 -m pytest -q -p no:cacheprovider -W ignore \
     tests/gpu/test_flashinfer_sm90_dcp.py 2>&1 | tee $RES/check_$v.txt | tail -4
   echo "check rc=${PIPESTATUS[0]}"
   step "$v check_graph"
-  timeout 200 python3 -m gpu.check_graph 2>&1 | grep -v -i warn | tee $RES/graph_$v.txt
+  timeout 300 python3 -m gpu.check_graph 2>&1 | grep -v -i warn | tee $RES/graph_$v.txt
   echo "graph rc=${PIPESTATUS[0]}"
 done
 if [ "${PLANT:-0}" = 1 ] && [ -n "$FIRST" ]; then
   export PYTHONPATH=/tmp/fi_$FIRST:. FLASHINFER_WORKSPACE_BASE=/tmp/fiws_$FIRST
   step "planted non-graph FlashInfer wrapper ($FIRST)"
   timeout 100 python3 -m gpu.check_graph --heads 16 --world 2 --batches 3 \
-    --plant-plain-wrapper 2>&1 | grep -v -i warn | tee $RES/graph_planted.txt
+    --paths fa3 --plant-plain-wrapper 2>&1 | grep -v -i warn | tee $RES/graph_planted.txt
   echo "planted graph rc=${PIPESTATUS[0]} (must be 1)"
 fi
 step done

@@ -3,12 +3,15 @@
 
 vLLM 0.32's own ``VllmConfig``, ``CommonAttentionMetadata`` and the real
 ``FlashInferDCPMLAMetadataBuilder`` / ``FlashInferDCPMLAImpl``: the builder
-plans FA3 from host data once per forward (``seq_lens_cpu_upper_bound``
-optimistic by up to the draft tokens, as under async speculative decoding),
-every layer's ``forward_mqa`` only runs. FA3 is the stand-in of
+plans once per forward from host data, split-KV at small row counts or FA3
+prefix+tail (``seq_lens_cpu_upper_bound`` optimistic by up to the draft
+tokens, as under async speculative decoding), every layer's ``forward_mqa``
+only runs. Both paths are taken by the builder's own rule (its row x head
+and local-length bounds are patched to move the threshold). FA3 is the stand-in of
 ``test_flashinfer_sm90_mla`` (honours the plan it is given, FlashInfer
 0.7.4's planned-shape contract, CUDA-graph wrappers with reserved buffers);
-the tail kernel is the real Triton one, so the ``triton_path`` tests run under
+the split-KV and tail kernels are the real Triton ones, so the
+``triton_path`` tests run under
 ``TRITON_INTERPRET=1`` (``test_interpreter_runs_triton_path_tests`` starts
 them in a subprocess on every CI run). The ranks' outputs, merged, must equal
 ``dense_reference.full_attention``.
@@ -47,7 +50,8 @@ NUM_SPEC = 3
 
 @pytest.fixture
 def sm90(monkeypatch):
-    """The backend module as on an H200, FA3 stood in by the plan-honouring fake."""
+    """The backend module as on an H200 (132 SMs), FA3 stood in by the
+    plan-honouring fake."""
     module = import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_dcp_mla")
     monkeypatch.setitem(sys.modules, "flashinfer.mla", fake_flashinfer_package().mla)
     monkeypatch.setattr(module.checks, "current_gpu_major", lambda: 9)
@@ -81,9 +85,21 @@ CASES = {  # (seq_lens, query_lens): q_len <= 1 + NUM_SPEC
 }
 
 
+SPLIT_KV_OPS = "vllm.v1.attention.ops.triton_mla_split_kv"
+
+
+def _force_path(sm90, monkeypatch, path):
+    """Make the real builder's own rule pick ``path`` for every CASES batch
+    (5-20 rows of 8 heads) by moving its rows x heads bound: split-KV under
+    a bound above every batch, FA3 under a bound of 0."""
+    monkeypatch.setattr(f"{SPLIT_KV_OPS}.SPLIT_KV_MAX_ROW_HEADS",
+                        10**6 if path == "split" else 0)
+
+
 def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
     """Every rank: real builder + NUM_LAYERS forward_mqa calls; returns the
-    merged (out, lse), the reference and the per-rank plan counts."""
+    merged (out, lse), the reference, the per-rank FA3 plan counts and the
+    kernel objects each rank planned."""
     seq_lens, query_lens = CASES[shape]
     batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
                                 num_heads=NUM_HEADS, seed=seed)
@@ -97,7 +113,7 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
     config.model_config.dtype = torch.bfloat16
     layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     gen = torch.Generator().manual_seed(seed + 7)
-    plans = []
+    plans, planned = [], []
 
     def decode_rank(layout, cache, table):
         from vllm.config import set_current_vllm_config
@@ -121,6 +137,9 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
             results = [impl.forward_mqa(q, cache.bfloat16(), metadata, _layer())
                        for _ in layer_names]
             plans.append(sum(c[0] == "plan" for c in _FakeWrapper.calls) - before)
+            kernel = metadata.decode.kernel_state["sm90_planned"]
+            planned.append((type(kernel).__name__,
+                            getattr(kernel, "rows_per_program", None)))
         for out, lse in results[1:]:
             assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
         return results[0][0].float(), results[0][1]
@@ -129,27 +148,105 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
                                          batch.seq_lens, decode_rank,
                                          layout=DCPLayout(world, interleave=interleave))
     real = int(batch.query_start_loc[-1])
-    return out[:real], lse[:real], ref_out, ref_lse, plans
+    return out[:real], lse[:real], ref_out, ref_lse, plans, planned
 
 
 @needs_triton
+@pytest.mark.parametrize("path", ["fa3", "split"])
 @pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16)])
 @pytest.mark.parametrize("causal,shape", [(True, "uniform"), (True, "padded"),
                                           (True, "ragged"), (False, "uniform"),
                                           (False, "padded")])
-def test_triton_path_backend_merges_to_full_attention(sm90, tmp_path, world,
-                                                      interleave, causal, shape):
-    out, lse, ref_out, ref_lse, plans = _run_ranks(
+def test_triton_path_backend_merges_to_full_attention(sm90, tmp_path, monkeypatch,
+                                                      path, world, interleave,
+                                                      causal, shape):
+    _force_path(sm90, monkeypatch, path)
+    out, lse, ref_out, ref_lse, plans, planned = _run_ranks(
         sm90, tmp_path, world=world, interleave=interleave, causal=causal,
         shape=shape, seed=world)
-    assert plans == [1] * world, "one FA3 plan per forward (in the builder)"
+    if path == "fa3":
+        assert plans == [1] * world, "one FA3 plan per forward (in the builder)"
+        assert planned == [("FlashInferSm90MLA", None)] * world
+    else:
+        # A uniform batch's 4 rows per request share one program.
+        group = 1 if shape == "ragged" else 4
+        assert plans == [0] * world, "split-KV needs no FA3 plan"
+        assert planned == [("TritonMLASplitKV", group)] * world
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
-def test_layer_refuses_a_forward_the_builder_did_not_plan(sm90, tmp_path):
+def _planned_path(sm90, config, seq_lens, query_lens, *, causal, seed):
+    """The kernel class the real builder plans for one forward (rank 0 of 2)."""
+    from vllm.config import set_current_vllm_config
+
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randint(1, 99, (len(seq_lens), 40), generator=gen, dtype=torch.int32)
+    with fake_dcp_group(2, 0), set_current_vllm_config(config):
+        builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config,
+                               non_causal=not causal)
+        impl = _make_impl(sm90, 0.0721)
+        config.compilation_config.static_forward_context[
+            "model.layers.0.attn"].impl = impl
+        common = common_metadata(seq_lens, query_lens, table, world_size=2, rank=0,
+                                 interleave=1, causal=causal)
+        common.seq_lens_cpu_upper_bound = common.seq_lens + torch.randint(
+            0, NUM_SPEC + 1, common.seq_lens.shape, generator=gen).int()
+        metadata = builder.build(0, common)
+    return type(metadata.decode.kernel_state["sm90_planned"]).__name__
+
+
+def test_sm90_path_is_a_function_of_the_row_count(sm90, tmp_path, monkeypatch):
+    """Batches of one padded row count (random lengths, query-length mixes,
+    host over-counts, causal or not) all take one path: split-KV up to a
+    rows x heads bound (12 rows of 8 heads here), FA3 above it, so a CUDA
+    graph of one capture size holds one path."""
+    monkeypatch.setattr(f"{SPLIT_KV_OPS}.SPLIT_KV_MAX_ROW_HEADS", 12 * NUM_HEADS)
+    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
+                              num_speculative_tokens=NUM_SPEC)
+    gen = torch.Generator().manual_seed(0)
+    for num_rows in (4, 12, 13, 16):
+        seen = set()
+        for trial in range(4):
+            causal = bool(trial % 2)
+            if causal:  # a random split into requests of 1..4 tokens
+                query_lens, left = [], num_rows
+                while left:
+                    query_lens.append(min(left, int(torch.randint(1, 5, (),
+                                                                  generator=gen))))
+                    left -= query_lens[-1]
+            else:  # draft blocks are uniform: any q_len <= 4 dividing the rows
+                q_len = max(n for n in range(1, 5) if num_rows % n == 0)
+                query_lens = [q_len] * (num_rows // q_len)
+            seq_lens = [int(n) + q for n, q in zip(
+                torch.randint(0, 600, (len(query_lens),), generator=gen), query_lens)]
+            seen.add(_planned_path(sm90, config, seq_lens, query_lens,
+                                   causal=causal, seed=trial))
+        expected = "TritonMLASplitKV" if num_rows <= 12 else "FlashInferSm90MLA"
+        assert seen == {expected}, (num_rows, seen)
+
+
+def test_sm90_path_follows_the_ranks_share_of_max_model_len(sm90, tmp_path,
+                                                            monkeypatch):
+    """The rule's local-length bound is checked against rank 0's share of
+    ``max_model_len`` (DCP 2, interleave 1: half, rounded up), not against
+    the batch's lengths: split-KV at a bound of that share, FA3 one below."""
+    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
+                              num_speculative_tokens=NUM_SPEC)
+    share = -(-config.model_config.max_model_len // 2)
+    for bound, expected in ((share, "TritonMLASplitKV"),
+                            (share - 1, "FlashInferSm90MLA")):
+        monkeypatch.setattr(f"{SPLIT_KV_OPS}.SPLIT_KV_MAX_LOCAL_LEN", bound)
+        path = _planned_path(sm90, config, [40, 300], [2, 2], causal=True, seed=0)
+        assert path == expected, (bound, share, path)
+
+
+@pytest.mark.parametrize("path", ["fa3", "split"])
+def test_layer_refuses_a_forward_the_builder_did_not_plan(sm90, tmp_path,
+                                                          monkeypatch, path):
     """The layers never plan: metadata of a build whose plan was replaced by a
-    later build (a stale forward) is refused, loudly."""
+    later build (a stale forward) is refused, loudly, on either path."""
+    _force_path(sm90, monkeypatch, path)
     config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
                               num_speculative_tokens=NUM_SPEC)
     seq_lens, query_lens = CASES["uniform"]
@@ -166,7 +263,7 @@ def test_layer_refuses_a_forward_the_builder_did_not_plan(sm90, tmp_path):
                                  world_size=2, rank=0, interleave=1)
         first = builder.build(0, common)
         builder.build(0, common)
-        with pytest.raises(RuntimeError, match="no FA3 plan for this forward"):
+        with pytest.raises(RuntimeError, match="no plan for this forward"):
             impl.forward_mqa(batch.q.bfloat16(), batch.kv_cache.bfloat16(), first,
                              _layer())
 

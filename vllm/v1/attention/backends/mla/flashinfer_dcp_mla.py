@@ -11,14 +11,19 @@ any ``--cp-kv-cache-interleave-size``:
   ``backend="cute-dsl"``) over the rows, each a single-token query bounded by
   its local length; natural-log LSE.
 - sm90 (Hopper, which no upstream backend serves for a DSpark draft under
-  DCP): FlashInfer's FA3 MLA (``BatchMLAPagedAttentionWrapper``), planned
-  by the builder once per forward from host data (no device-to-host sync of
-  ours) and only run by every layer, so uniform decode batches replay in
-  full CUDA graphs; natural-log LSE. A request's tokens share the local keys
-  below its first token's bound, so the plan is one segment per request over
-  a host-known lower bound of that prefix (the KV is read once, as in
-  FlashInfer's own multi-token decode) plus each token's remaining keys,
-  attended and merged by one Triton launch over all rows.
+  DCP): planned by the builder once per forward from host data (no
+  device-to-host sync of ours) and only run by every layer, so uniform
+  decode batches replay in full CUDA graphs; natural-log LSE. Which of two
+  paths a forward takes depends on its padded row count and fixed config
+  only (``triton_mla_split_kv.split_kv_preferred``): while the rows x heads
+  are few and the rank's share of ``max_model_len`` is short (the shapes
+  where it measured faster), a split-KV Triton decode over the rows (each
+  row's local keys cut into chunks attended by separate programs, then
+  merged); otherwise FlashInfer's FA3 MLA (``BatchMLAPagedAttentionWrapper``)
+  over one segment per request on a host-known lower bound of the local
+  keys all its tokens share (the KV is read once, as in FlashInfer's own
+  multi-token decode), plus each token's remaining keys, attended and merged
+  by one Triton launch over all rows.
   On sm90 the rows are built at DCP size 1 too (the trtllm-gen path is
   sm100-only).
 
@@ -75,6 +80,27 @@ def _current_dcp_size() -> int:
     return 1 if config is None else config.parallel_config.decode_context_parallel_size
 
 
+def _sm90_num_sms(device: torch.device) -> int:
+    """SMs of the builder's GPU (an H100/H200's 132 off CUDA, for tests)."""
+    from vllm.v1.attention.ops.triton_mla_split_kv import SM90_NUM_SMS
+
+    if torch.device(device).type != "cuda":
+        return SM90_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _uniform_query_len(query_start_loc_cpu: torch.Tensor) -> int:
+    """n when every decode request with query tokens has n of them (a uniform
+    batch, as every CUDA-graph replay is; its rows then come in request
+    groups of n from row 0, padding after), else 1. From the host offsets,
+    which on sm90 equal the device's (the backend refuses a mismatch)."""
+    q_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+    q_lens = q_lens[q_lens > 0]
+    if q_lens.numel() == 0 or not bool((q_lens == q_lens[0]).all()):
+        return 1
+    return int(q_lens[0])
+
+
 def _check(vllm_config: VllmConfig, dcp_size: int, gpu_major: int | None) -> None:
     """``dcp_size``: the DCP size the builder runs at (vLLM >= 0.33 builds a
     cache every rank holds whole, a DCP-1 draft under a DCP target, at 1)."""
@@ -124,9 +150,10 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         if checks.current_gpu_major() == 9:
-            # sm90 (DCP > 1 only): the builder plans FA3 from host data into
-            # persistent buffers and every layer only runs, so a uniform
-            # decode batch (every segment q_len tokens) replays in a graph.
+            # sm90 (DCP > 1 only): the builder plans split-KV or FA3 from
+            # host data into persistent buffers and every layer only runs,
+            # so a uniform decode batch (every segment q_len tokens) replays
+            # in a graph.
             dcp_size = (vllm_config.parallel_config.decode_context_parallel_size
                         if vllm_config is not None else 1)
             if dcp_size > 1:
@@ -171,15 +198,9 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             slack=(spec.num_speculative_tokens or 0) if spec is not None else 0,
             layout=decode.layout)
 
-    def _sm90_kernel(self, decode: DCPDecodeMetadata):
-        """The group's FA3 kernel object, made on the first plan (the layers'
-        softmax scale is read off their impls, as vLLM's FlashInfer builder
-        does); its buffers are sized for the largest decode batch."""
-        from vllm.v1.attention.ops import flashinfer_sm90_mla as fa3
-
-        kernel = decode.kernel_state.get("fa3_sm90")
-        if kernel is not None:
-            return kernel
+    def _sm90_scale(self) -> float:
+        """The group's softmax scale, read off its layers' impls (as vLLM's
+        FlashInfer builder does): one plan serves every layer."""
         context = self.vllm_config.compilation_config.static_forward_context
         scales = {getattr(getattr(context[name], "impl", None), "scale", None)
                   for name in self._sm90_layer_names}
@@ -187,6 +208,57 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             raise ValueError(
                 f"FLASHINFER_MLA on sm90 plans one softmax scale per KV-cache "
                 f"group; its layers have {sorted(map(str, scales))}")
+        return scales.pop()
+
+    def _sm90_max_local_len(self, decode: DCPDecodeMetadata) -> int:
+        """Most KV tokens of one sequence any rank holds: rank 0's share of
+        ``max_model_len`` (rank 0 holds the largest share of any length)."""
+        return int(decode.layout.with_rank(0).local_seq_lens(
+            torch.tensor(self.vllm_config.model_config.max_model_len)))
+
+    def _sm90_uses_split_kv(self, decode: DCPDecodeMetadata, num_rows: int) -> bool:
+        """This forward's sm90 path: split-KV or FA3 prefix+tail, by the
+        padded row count and fixed config only (``split_kv_preferred``), so
+        that a CUDA graph of one capture size always holds one path."""
+        from vllm.v1.attention.ops.triton_mla_split_kv import split_kv_preferred
+
+        return split_kv_preferred(num_rows, self.num_heads * self.dcp_world_size,
+                                  self._sm90_max_local_len(decode))
+
+    def _sm90_split_kernel(self, decode: DCPDecodeMetadata):
+        """The group's split-KV kernel object, made on the first plan that
+        takes that path; its partial buffers are sized for every row count
+        that does, and its split count follows the row count, the rows per
+        program (a uniform batch's query length, else 1) and the rank's share
+        of ``max_model_len`` only."""
+        from vllm.v1.attention.ops import triton_mla_split_kv as splitkv
+
+        kernel = decode.kernel_state.get("split_kv_sm90")
+        if kernel is not None:
+            return kernel
+        num_heads = self.num_heads * self.dcp_world_size
+        num_sms = _sm90_num_sms(self.device)
+        kernel = splitkv.TritonMLASplitKV(
+            num_heads=num_heads, sm_scale=self._sm90_scale(),
+            dtype=self.vllm_config.model_config.dtype,
+            kv_lora_rank=self.mla_dims.kv_lora_rank,
+            rope_dim=self.mla_dims.qk_rope_head_dim,
+            max_rows=min(max(self._dcp_row_capacity(), decode.flat.num_rows),
+                         num_sms),
+            max_local_len=self._sm90_max_local_len(decode), device=self.device, num_sms=num_sms,
+            max_rows_per_program=self._dcp_query_len_bound())
+        decode.kernel_state["split_kv_sm90"] = kernel
+        return kernel
+
+    def _sm90_kernel(self, decode: DCPDecodeMetadata):
+        """The group's FA3 kernel object, made on the first plan that takes
+        the prefix+tail path; its buffers are sized for the largest decode
+        batch."""
+        from vllm.v1.attention.ops import flashinfer_sm90_mla as fa3
+
+        kernel = decode.kernel_state.get("fa3_sm90")
+        if kernel is not None:
+            return kernel
         rows = decode.flat
         # A uniform batch padded to a capture size C has C / q_len segments:
         # those plans get FlashInfer's CUDA-graph wrappers (one each).
@@ -194,7 +266,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
         kernel = fa3.FlashInferSm90MLA(
             _get_workspace_buffer(True), num_heads=self.num_heads * self.dcp_world_size,
-            page_size=self.kv_cache_spec.block_size, sm_scale=scales.pop(),
+            page_size=self.kv_cache_spec.block_size, sm_scale=self._sm90_scale(),
             dtype=self.vllm_config.model_config.dtype,
             kv_lora_rank=self.mla_dims.kv_lora_rank,
             rope_dim=self.mla_dims.qk_rope_head_dim,
@@ -206,17 +278,28 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
 
     def _plan_sm90(self, decode: DCPDecodeMetadata, block_table: torch.Tensor,
                    query_start_loc_cpu: torch.Tensor, num_rows: int) -> None:
-        """Plan this forward's FA3 prefix segments from host data (no
-        device-to-host sync here), once for every layer of the group."""
+        """Plan this forward once for every layer of the group, from host data
+        (no device-to-host sync here): split-KV over the rows where
+        ``split_kv_preferred`` picks it, else FA3 prefix segments + Triton
+        tails."""
         from vllm.v1.attention.ops import flashinfer_sm90_mla as fa3
 
-        kernel = self._sm90_kernel(decode)
-        plan = fa3.plan_prefix_tail_host(
-            query_start_loc_cpu, self._sm90_prefix_lens(decode, query_start_loc_cpu),
-            num_rows=num_rows, page_size=kernel.page_size)
         rows = decode.flat.slice(num_rows)
-        kernel.plan_prefix_tail(plan, block_table, rows.seq_lens, rows.block_table)
+        if self._sm90_uses_split_kv(decode, num_rows):
+            kernel = self._sm90_split_kernel(decode)
+            kernel.plan(rows.seq_lens, rows.block_table, num_rows=num_rows,
+                        rows_per_program=_uniform_query_len(query_start_loc_cpu),
+                        row_to_req=rows.row_to_req)
+        else:
+            kernel = self._sm90_kernel(decode)
+            plan = fa3.plan_prefix_tail_host(
+                query_start_loc_cpu,
+                self._sm90_prefix_lens(decode, query_start_loc_cpu),
+                num_rows=num_rows, page_size=kernel.page_size)
+            kernel.plan_prefix_tail(plan, block_table, rows.seq_lens,
+                                    rows.block_table)
         kernel.planned_forward_id = decode.forward_id
+        decode.kernel_state["sm90_planned"] = kernel
 
 
 class FlashInferDCPMLAImpl(FlashInferMLAImpl):
@@ -289,12 +372,12 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
         return out.view(num_rows, q.shape[1], -1), lse.view(num_rows, q.shape[1])
 
     def _decode_rows_sm90(self, q, kv_cache, decode: DCPDecodeMetadata):
-        """FA3 MLA prefix + Triton tails, as the builder planned them for this
+        """Split-KV or FA3 prefix + Triton tails, as the builder planned this
         forward; the layer only runs (capturable in a CUDA graph)."""
-        kernel = decode.kernel_state.get("fa3_sm90")
+        kernel = decode.kernel_state.get("sm90_planned")
         if kernel is None or getattr(kernel, "planned_forward_id", None) != decode.forward_id:
             raise RuntimeError(
-                "FLASHINFER_MLA on sm90: no FA3 plan for this forward; the "
+                "FLASHINFER_MLA on sm90: no plan for this forward; the "
                 "metadata builder plans once per forward before the layers run")
         if kernel.sm_scale != self.scale:
             raise ValueError(
