@@ -6,15 +6,21 @@ at rank-local shapes of W = 1/2/4/8 (each request's ``ctx / W`` local KV
 tokens), batch B, causal q_len 4, H heads:
 
 - fa3: FA3 prefix segments + Triton tails, planned once from host data by
-  ``plan_prefix_tail_host`` / ``plan_prefix_tail``, every layer ``run``;
+  ``plan_prefix_tail_host`` / ``plan_prefix_tail``, every layer ``run``; the
+  prefixes are whole pages, as the backend plans them (every context here is
+  a multiple of W pages, so each row's tail is the worst case: a page and
+  the query's own keys); fa3-exact: prefixes at the exact bound (the tails
+  are the query's keys only), for the cost of those tails;
 - split: the split-KV Triton decode (``TritonMLASplitKV``), its split count
   from the row count and the rank's share of ``--max-model-len``.
 
 For each point and path: the step eager (L runs) and as one CUDA-graph
 replay, the KV bytes read per second in the replay, the launch overhead
 removed (eager - graph), the sum of the step's kernel times (torch.profiler
-over eager steps, fa3 with --profile), the host+device plan time per
-forward, and FlashInfer's own no-DCP causal decode over the same local KV
+over eager steps, fa3 with --profile), the host+device time of the
+builder's per-forward work (rows + plan) when the lengths repeat (plan_ms:
+FA3's schedule is reused) and when every forward's lengths differ by a page
+(plan_miss_ms: FlashInfer plans), and FlashInfer's own no-DCP causal decode over the same local KV
 (one layer). ``path`` marks the one the backend's rule
 (``split_kv_preferred``) picks. Layers cycle over enough distinct caches to
 keep every layer's KV out of L2.
@@ -87,6 +93,8 @@ class Setup:
         self.table = (torch.randperm(batch * pages, device=dev, generator=gen)
                       + 1).int().view(batch, pages)
         self.seq = torch.full((batch,), ctx, dtype=torch.int32)
+        # One page shorter on every rank: a forward whose FA3 schedule differs.
+        self.seq_short = self.seq - world * PAGE
         self.qsl = torch.arange(batch + 1, dtype=torch.int32) * q_len
         self.rows = batch * q_len
         self.scale = 1.0 / math.sqrt(192)
@@ -100,9 +108,9 @@ class Setup:
                      for _ in range(layers)]
         self.bytes_step = layers * batch * self.local * (DV + DR) * 2
 
-    def build_rows(self):
+    def build_rows(self, seq):
         return build_flat_decode_triton(
-            self.seq.to("cuda"), self.qsl.to("cuda"), self.table,
+            seq.to("cuda"), self.qsl.to("cuda"), self.table,
             layout=DCPLayout(self.world), causal=True,
             num_rows=self.rows, out=self.flat_buf)
 
@@ -117,17 +125,24 @@ class Setup:
         return step
 
 
-def measure_path(setup, kernel, plan, args):
-    """Plan time per forward, eager and graph step, one layer, KV TB/s."""
-    plan()
-    step = setup.step_fn(kernel)
-    step()
+def plan_ms_per_forward(plan, lens):
+    """Host + device time of ``plan(l)`` per call, over the lengths given."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(5):
-        plan()
+    for seq in lens:
+        plan(seq)
     torch.cuda.synchronize()
-    plan_ms = (time.perf_counter() - t0) / 5 * 1000
+    return (time.perf_counter() - t0) / len(lens) * 1000
+
+
+def measure_path(setup, kernel, plan, args):
+    """Plan time per forward (repeated and changing lengths), eager and graph
+    step, one layer, KV TB/s. The step runs the plan of ``setup.seq``."""
+    plan(setup.seq)  # first-use costs (FlashInfer's graph wrapper, compiles)
+    plan_miss_ms = plan_ms_per_forward(plan, [setup.seq_short, setup.seq] * 3)
+    plan_ms = plan_ms_per_forward(plan, [setup.seq] * 6)
+    step = setup.step_fn(kernel)
+    step()
     reps = max(3, min(20, int(200 / max(setup.layers * setup.per_layer_bytes / 4e9,
                                         0.05))))
     eager = time_ms(step, reps)
@@ -143,6 +158,7 @@ def measure_path(setup, kernel, plan, args):
                 launch_overhead_removed_ms=eager - replay, kernel_sum_ms=kern,
                 graph_over_kernels=replay / kern if kern == kern else float("nan"),
                 layer_ms=layer_ms, plan_ms=plan_ms, plan_over_layer=plan_ms / layer_ms,
+                plan_miss_ms=plan_miss_ms,
                 kv_tbps=setup.bytes_step / replay / 1e9,
                 roofline_frac=setup.bytes_step / replay / 1e9 / HBM_TBPS)
 
@@ -154,10 +170,10 @@ def split_kernel(setup, args, **knobs):
                             max_local_len=setup.max_local, device="cuda", **knobs)
 
 
-def split_plan(setup, kernel, group, num_splits=None):
+def split_plan(setup, kernel, group, seq, num_splits=None):
     """The builder's split-KV plan: rows, then the host-only plan (a uniform
     batch: each request's q_len rows in one program when ``group``)."""
-    flat = setup.build_rows()
+    flat = setup.build_rows(seq)
     kernel.plan(flat.seq_lens, flat.block_table, num_rows=setup.rows,
                 rows_per_program=group, row_to_req=flat.row_to_req,
                 num_splits=num_splits)
@@ -183,27 +199,27 @@ def point(setup, ws, args):
     chosen = ("split" if split_kv_preferred(setup.rows, setup.heads, setup.max_local)
               else "fa3")
     for path in args.paths:
-        if path == "fa3":
+        if path.startswith("fa3"):
             kernel = FlashInferSm90MLA(ws, num_heads=setup.heads, page_size=PAGE,
                                        sm_scale=setup.scale, dtype=torch.bfloat16,
                                        max_rows=setup.rows,
                                        max_cols=setup.table.shape[1])
 
-            def plan(kernel=kernel):
-                flat = setup.build_rows()
-                prefix = host_prefix_lens(setup.seq, setup.qsl, causal=True,
+            def plan(seq, kernel=kernel, whole_pages=path == "fa3"):
+                flat = setup.build_rows(seq)
+                prefix = host_prefix_lens(seq, setup.qsl, causal=True,
                                           slack=setup.q_len - 1,
                                           layout=DCPLayout(setup.world))
                 host = plan_prefix_tail_host(setup.qsl, prefix, num_rows=setup.rows,
-                                             page_size=PAGE)
+                                             page_size=PAGE, whole_pages=whole_pages)
                 kernel.plan_prefix_tail(host, setup.table, flat.seq_lens,
                                         flat.block_table)
             splits = 0
         else:
             kernel = split_kernel(setup, args, **args.split_knobs)
 
-            def plan(kernel=kernel):
-                split_plan(setup, kernel, setup.q_len)
+            def plan(seq, kernel=kernel):
+                split_plan(setup, kernel, setup.q_len, seq)
             splits = kernel.splits_for(setup.rows, setup.q_len)
         r = dict(base, path=path, backend_path=chosen, num_splits=splits,
                  **measure_path(setup, kernel, plan, args))
@@ -221,7 +237,7 @@ def main():
     ap.add_argument("--layers", type=int, nargs="+", default=[24, 61])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--q-len", type=int, default=4)
-    ap.add_argument("--paths", nargs="+", choices=["fa3", "split"],
+    ap.add_argument("--paths", nargs="+", choices=["fa3", "fa3-exact", "split"],
                     default=["fa3", "split"])
     ap.add_argument("--max-model-len", type=int, default=262144,
                     help="sets the split-KV split count (the rank's share of it)")
@@ -239,7 +255,7 @@ def main():
     results = []
     print(f"{'B':>3}{'ctx':>8}{'W':>3}{'L':>4}{'path':>6}{'S':>4}{'eager':>9}"
           f"{'graph':>9}{'removed':>9}{'kern':>8}{'TB/s':>6}{'layer':>8}{'native':>8}"
-          f"{'l/n':>6}{'plan':>7}")
+          f"{'l/n':>6}{'plan':>7}{'miss':>7}")
     for layers in args.layers:
         for batch in args.batch:
             for ctx in args.ctx:
@@ -257,7 +273,8 @@ def main():
                               f"{r['launch_overhead_removed_ms']:9.3f}"
                               f"{r['kernel_sum_ms']:8.3f}{r['kv_tbps']:6.2f}"
                               f"{r['layer_ms']:8.3f}{r['native_layer_ms']:8.3f}"
-                              f"{r['layer_over_native']:6.2f}{r['plan_ms']:7.3f}",
+                              f"{r['layer_over_native']:6.2f}{r['plan_ms']:7.3f}"
+                              f"{r['plan_miss_ms']:7.3f}",
                               flush=True)
                     del setup
                     torch.cuda.empty_cache()

@@ -245,17 +245,25 @@ def test_plan_prefix_tail_host_segments():
     """Segments: one per request with tokens, padding in q_len chunks."""
     qsl = torch.tensor([0, 4, 4, 8, 12], dtype=torch.int32)  # request 1: q_len 0
     prefix = torch.tensor([70, 5, -3, 0])
-    plan = fsm.plan_prefix_tail_host(qsl, prefix, num_rows=21, page_size=16)
+    plan = fsm.plan_prefix_tail_host(qsl, prefix, num_rows=21, page_size=16,
+                                     whole_pages=False)
     assert plan.qo_indptr.tolist() == [0, 4, 8, 12, 16, 20, 21]
     assert plan.kv_lens.tolist() == [70, 0, 0, 0, 0, 0]
     assert plan.kv_indptr.tolist() == [0, 5, 5, 5, 5, 5, 5]
     assert plan.seg_to_req.tolist() == [0, 2, 3, 0, 0, 0]
     assert plan.row_prefix.tolist() == [70] * 4 + [0] * 17
+    # Whole pages (the default): 70 -> 64, 5 -> 0 keys.
+    paged = fsm.plan_prefix_tail_host(qsl, torch.tensor([70, 5, 21, 16]),
+                                      num_rows=21, page_size=16)
+    assert paged.kv_lens.tolist() == [64, 16, 16, 0, 0, 0]
+    assert paged.kv_indptr.tolist() == [0, 4, 5, 6, 6, 6, 6]
+    assert paged.row_prefix.tolist() == [64] * 4 + [16] * 8 + [0] * 9
     # Fewer rows than tokens (the layers run a prefix of the batch).
-    plan = fsm.plan_prefix_tail_host(qsl, prefix, num_rows=6, page_size=16)
+    plan = fsm.plan_prefix_tail_host(qsl, prefix, num_rows=6, page_size=16,
+                                     whole_pages=False)
     assert plan.qo_indptr.tolist() == [0, 4, 6]
     assert plan.row_prefix.tolist() == [70] * 4 + [0] * 2
-    for p in (plan,):
+    for p in (plan, paged):
         assert p.qo_indptr.dtype == p.kv_lens.dtype == p.kv_indptr.dtype == torch.int32
         assert p.qo_indptr.device.type == "cpu"
 
@@ -296,7 +304,8 @@ def test_prefix_tail_plan_uses_persistent_buffers(fake_flashinfer):
     ptrs, wrappers = [], []
     for lens in (seq, seq.flip(0)):
         host = fsm.plan_prefix_tail_host(qsl, lens.clamp(max=seq.min()),
-                                         num_rows=rows, page_size=page)
+                                         num_rows=rows, page_size=page,
+                                         whole_pages=False)
         mla.plan_prefix_tail(host, table, flat.seq_lens, flat.block_table)
         ptrs.append(fake_flashinfer.calls[-1][1]["metadata"].kv_indices.data_ptr())
         ptrs.append(mla.tail.prefix_lens.data_ptr())
@@ -310,6 +319,63 @@ def test_prefix_tail_plan_uses_persistent_buffers(fake_flashinfer):
     big = fsm.plan_prefix_tail_host(qsl, seq, num_rows=rows + 1, page_size=page)
     with pytest.raises(ValueError, match="max-num-seqs"):
         mla.plan_prefix_tail(big, table, flat.seq_lens, flat.block_table)
+
+
+@needs_triton
+@pytest.mark.parametrize("flashinfer", ["fake", "real"])
+def test_triton_path_unchanged_schedule_is_not_replanned(request, flashinfer):
+    """FlashInfer is planned again only where a wrapper's schedule (segment
+    query offsets, whole-page prefixes) changed; every forward still reads
+    its own pages, lengths and queries. Forwards of two causal requests
+    (q_len 2, page 16) through the graph wrappers, each checked against the
+    reference decode of the same rows: new pages at the same lengths and
+    longer tails within the same pages reuse the plan; a prefix that fills
+    a page, a return to the old lengths, and another segment count plan;
+    back at the first count, that wrapper's unchanged schedule is reused.
+    "real" runs FlashInfer's FA3 (CUDA)."""
+    if flashinfer == "fake":
+        request.getfixturevalue("fake_flashinfer")
+        dtype, heads, page, tol = torch.float32, 2, 16, 1e-4
+    elif DEVICE != "cuda" or not HAVE_FLASHINFER:
+        pytest.skip("FlashInfer's FA3 needs an sm90 GPU")
+    else:
+        dtype, heads, page, tol = torch.bfloat16, 16, 64, 2e-2
+    cols, scale = 8, 0.07
+    gen = torch.Generator().manual_seed(5)
+    mla = fsm.FlashInferSm90MLA(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE),
+                                num_heads=heads, page_size=page, sm_scale=scale,
+                                dtype=dtype, max_rows=4, max_cols=cols)
+    two, one = [0, 2, 4], [0, 1, 2]  # query offsets: 2 segments; 2 + 2 padding
+    steps = [  # (global lengths in 1/16 pages, query offsets, FA3 plans so far)
+        ((40, 70), two, 1),  # prefixes 39, 69 -> 32, 64 (page 16)
+        ((40, 70), two, 1),  # new cache and pages, same lengths
+        ((41, 71), two, 1),  # longer tails, same whole pages
+        ((50, 71), two, 2),  # 49 -> 48: a page filled
+        ((40, 70), two, 3),  # back: differs from the wrapper's last plan
+        ((40, 70), one, 4),  # 1-token queries + 2 padding rows: 4 segments
+        ((40, 70), two, 4),  # the 2-segment wrapper's last schedule again
+    ]
+    for lens, offsets, plans in steps:
+        cache = torch.randn(2 * cols + 1, page, 576, generator=gen)
+        table = (torch.randperm(2 * cols, generator=gen) + 1).int().view(2, cols)
+        seq = torch.tensor(lens, dtype=torch.int32) * (page // 16)
+        qsl = torch.tensor(offsets, dtype=torch.int32)
+        q = torch.randn(4, heads, 576, generator=gen)
+        flat = dcp.build_flat_decode(seq.to(DEVICE), qsl.to(DEVICE), table.to(DEVICE),
+                                     layout=DCPLayout(), causal=True, num_rows=4)
+        prefix = fsm.host_prefix_lens(seq, qsl, causal=True, slack=0,
+                                      layout=DCPLayout())
+        host = fsm.plan_prefix_tail_host(qsl, prefix, num_rows=4, page_size=page)
+        mla.plan_prefix_tail(host, table.to(DEVICE), flat.seq_lens, flat.block_table)
+        assert mla.fa3_plans == plans, (lens, offsets)
+        q, cache = q.to(dtype).to(DEVICE), cache.to(dtype).to(DEVICE)
+        out, lse = mla.run(q, cache)
+        ref_out, ref_lse = dcp.mla_decode_reference(
+            q.float(), cache.float(), flat.block_table, flat.seq_lens,
+            kv_lora_rank=512, scale=scale)
+        has = flat.seq_lens > 0
+        torch.testing.assert_close(out.float()[has], ref_out[has], atol=tol, rtol=tol)
+        torch.testing.assert_close(lse[has], ref_lse[has], atol=tol, rtol=0)
 
 
 @pytest.mark.skipif(not HAVE_FLASHINFER, reason="flashinfer not importable")

@@ -111,8 +111,16 @@ def plan_prefix_tail_host(
     *,
     num_rows: int,
     page_size: int,
+    whole_pages: bool = True,
 ) -> PrefixTailPlan:
     """Segments of a prefix+tail decode, from host data only.
+
+    With ``whole_pages`` each segment's prefix is rounded down to whole
+    pages (the tail kernel attends the rest, fewer than ``page_size`` keys
+    more per row). FA3's schedule depends on the segments' query and KV
+    lengths only, so it then stays the same until a request fills a page,
+    and ``FlashInferSm90MLA.plan_prefix_tail`` skips FlashInfer's host plan
+    (milliseconds, benchmarks/RESULTS.md) while it does.
 
     Args:
         query_start_loc: int CPU [R + 1], the decode requests' query offsets;
@@ -122,6 +130,7 @@ def plan_prefix_tail_host(
             negative values count as 0).
         num_rows: T, query rows of the layers' input.
         page_size: tokens per KV page.
+        whole_pages: round each prefix down to a multiple of ``page_size``.
     """
     qsl = query_start_loc.to(torch.int64)
     num_reqs = qsl.shape[0] - 1
@@ -130,6 +139,8 @@ def plan_prefix_tail_host(
     live = (q_lens > 0) & (qsl[:-1] < num_tokens)
     reqs = torch.nonzero(live).flatten()
     prefix = prefix_lens.to(torch.int64).clamp(min=0)
+    if whole_pages:
+        prefix = prefix - prefix % page_size
     pad_len = max(int(q_lens.max()), 1) if num_reqs > 0 else 1
     pad_starts = torch.arange(num_tokens, num_rows, pad_len, dtype=torch.int64)
     qo_indptr = torch.cat([qsl[reqs], pad_starts,
@@ -262,6 +273,12 @@ class FlashInferSm90MLA:
             use, with reserved metadata buffers and an integer workspace that
             every later plan of that S rewrites in place); other plans use a
             plain wrapper. None: every S (tests and scripts).
+
+    A wrapper whose last FlashInfer plan had the same schedule (segment
+    query offsets, page offsets and KV lengths) is not planned again: FA3
+    reads the page ids from the persistent index buffer when it runs, and
+    ``plan_prefix_tail`` rewrites that buffer every forward. ``fa3_plans``
+    counts the FlashInfer plans made.
     """
 
     def __init__(
@@ -295,6 +312,9 @@ class FlashInferSm90MLA:
         self.rope_dim = rope_dim
         self.num_tokens = 0
         self.tail: TailRows | None = None
+        self.fa3_plans = 0
+        # id(wrapper) -> (qo_indptr, kv_indptr, kv_lens) of its last plan.
+        self._schedules: dict[int, tuple[torch.Tensor, ...]] = {}
         self._fixed_capacity = max_rows is not None and max_cols is not None
         self._kv_indices: torch.Tensor | None = None
         self._row_prefix: torch.Tensor | None = None
@@ -304,6 +324,7 @@ class FlashInferSm90MLA:
     def _alloc(self, max_rows: int, max_cols: int) -> None:
         self._max_rows, self._max_cols = max_rows, max_cols
         self._graph_wrappers = {}  # they hold the old index buffer
+        self._schedules = {}  # so does the plain wrapper's last plan
         # Segments <= rows; one spare slot takes the scatter of dead columns.
         self._kv_indices = torch.zeros(max_rows * max_cols + 1, dtype=torch.int32,
                                        device=self.device)
@@ -377,8 +398,13 @@ class FlashInferSm90MLA:
                                   tables.to(torch.int32).reshape(-1))
         self._row_prefix[:num_rows].copy_(_to_device(plan.row_prefix, device))
         self._wrapper = self._wrapper_for(num_segs)
-        plan_fa3_csr(self._wrapper, self, plan.qo_indptr, plan.kv_indptr,
-                     self._kv_indices[:spare], plan.kv_lens, causal=False)
+        schedule = (plan.qo_indptr, plan.kv_indptr, plan.kv_lens)
+        last = self._schedules.get(id(self._wrapper))
+        if last is None or not all(map(torch.equal, last, schedule)):
+            plan_fa3_csr(self._wrapper, self, plan.qo_indptr, plan.kv_indptr,
+                         self._kv_indices[:spare], plan.kv_lens, causal=False)
+            self._schedules[id(self._wrapper)] = schedule
+            self.fa3_plans += 1
         self.num_tokens = num_rows
         self.tail = TailRows(block_table=row_block_table, row_lens=row_lens,
                              prefix_lens=self._row_prefix)
