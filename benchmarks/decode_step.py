@@ -10,7 +10,8 @@ tokens), batch B, causal q_len 4, H heads:
   prefixes are whole pages, as the backend plans them (every context here is
   a multiple of W pages, so each row's tail is the worst case: a page and
   the query's own keys); fa3-exact: prefixes at the exact bound (the tails
-  are the query's keys only), for the cost of those tails;
+  are the query's keys only), for the cost of those tails; fa3:KxS: fa3 with
+  the tail kernel at K keys per loop step and S pipelining stages;
 - split: the split-KV Triton decode (``TritonMLASplitKV``), its split count
   from the row count and the rank's share of ``--max-model-len``.
 
@@ -200,12 +201,15 @@ def point(setup, ws, args):
               else "fa3")
     for path in args.paths:
         if path.startswith("fa3"):
+            keys, stages = (int(v) for v in path.partition(":")[2].split("x")
+                            ) if ":" in path else (16, 3)
             kernel = FlashInferSm90MLA(ws, num_heads=setup.heads, page_size=PAGE,
                                        sm_scale=setup.scale, dtype=torch.bfloat16,
                                        max_rows=setup.rows,
-                                       max_cols=setup.table.shape[1])
+                                       max_cols=setup.table.shape[1],
+                                       tail_keys_per_step=keys, tail_num_stages=stages)
 
-            def plan(seq, kernel=kernel, whole_pages=path == "fa3"):
+            def plan(seq, kernel=kernel, whole_pages=path != "fa3-exact"):
                 flat = setup.build_rows(seq)
                 prefix = host_prefix_lens(seq, setup.qsl, causal=True,
                                           slack=setup.q_len - 1,
@@ -237,8 +241,9 @@ def main():
     ap.add_argument("--layers", type=int, nargs="+", default=[24, 61])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--q-len", type=int, default=4)
-    ap.add_argument("--paths", nargs="+", choices=["fa3", "fa3-exact", "split"],
-                    default=["fa3", "split"])
+    ap.add_argument("--paths", nargs="+", default=["fa3", "split"],
+                    help="fa3, fa3-exact, split, or fa3:KxS (the tail kernel at K "
+                         "keys per step and S pipelining stages)")
     ap.add_argument("--max-model-len", type=int, default=262144,
                     help="sets the split-KV split count (the rank's share of it)")
     ap.add_argument("--split-knobs", default="",

@@ -421,11 +421,13 @@ _REAL_MLA = real_fi_mla if HAVE_FLASHINFER else None
 
 
 @needs_triton
+@pytest.mark.parametrize("keys,stages", [(16, 3), (32, 2), (32, 3), (64, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_path_tail_merge_matches_reference(dtype):
+def test_triton_path_tail_merge_matches_reference(dtype, keys, stages):
     """Prefix partial (base-2 LSE, poisoned where empty) + tail == full: long
     tails (several loop steps), tails crossing pages, prefix-0 rows, empty
-    rows, and a row whose exact bound is below its prefix (NaN, loudly)."""
+    rows, and a row whose exact bound is below its prefix (NaN, loudly), at
+    each loop shape the device sweep tried."""
     from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
     gen = torch.Generator().manual_seed(5)
@@ -447,7 +449,7 @@ def test_triton_path_tail_merge_matches_reference(dtype):
     out[prefix == 0] = float("nan")
     lse[prefix == 0] = float("nan")
     args = [x.to(DEVICE) for x in (q, cache, table, row_lens, prefix, out, lse)]
-    tail_merge(*args, sm_scale=scale)
+    tail_merge(*args, sm_scale=scale, keys_per_step=keys, num_stages=stages)
     got_out, got_lse = args[5].cpu().float(), args[6].cpu()
     good = row_lens >= prefix
     assert bool(torch.isnan(got_out[~good]).all() and torch.isnan(got_lse[~good]).all())

@@ -273,6 +273,8 @@ class FlashInferSm90MLA:
             use, with reserved metadata buffers and an integer workspace that
             every later plan of that S rewrites in place); other plans use a
             plain wrapper. None: every S (tests and scripts).
+        tail_keys_per_step, tail_num_stages: the tail kernel's keys per
+            loop step and pipelining stages (``mla_tail_merge.tail_merge``).
 
     A wrapper whose last FlashInfer plan had the same schedule (segment
     query offsets, page offsets and KV lengths) is not planned again: FA3
@@ -294,6 +296,8 @@ class FlashInferSm90MLA:
         max_rows: int | None = None,
         max_cols: int | None = None,
         graph_segment_counts: set[int] | None = None,
+        tail_keys_per_step: int = 16,
+        tail_num_stages: int = 3,
     ) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
@@ -312,6 +316,8 @@ class FlashInferSm90MLA:
         self.rope_dim = rope_dim
         self.num_tokens = 0
         self.tail: TailRows | None = None
+        self.tail_args = dict(keys_per_step=tail_keys_per_step,
+                              num_stages=tail_num_stages)
         self.fa3_plans = 0
         # id(wrapper) -> (qo_indptr, kv_indptr, kv_lens) of its last plan.
         self._schedules: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -452,5 +458,5 @@ class FlashInferSm90MLA:
         tail = self.tail
         tail_merge(q, kv_cache, tail.block_table, tail.row_lens[:num_tokens],
                    tail.prefix_lens[:num_tokens], out, lse,
-                   sm_scale=self.sm_scale, lse_in_base2=True)
+                   sm_scale=self.sm_scale, lse_in_base2=True, **self.tail_args)
         return out, lse

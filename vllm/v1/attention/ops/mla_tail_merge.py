@@ -125,6 +125,7 @@ def tail_merge(
     sm_scale: float,
     lse_in_base2: bool = True,
     keys_per_step: int = 16,
+    num_stages: int = 3,
 ) -> None:
     """Finish prefix+tail decode of every row in place (one launch).
 
@@ -140,6 +141,7 @@ def tail_merge(
         out: [T, H, Dv] contiguous; lse: float32 [T, H] contiguous; both are
             overwritten with the final output and natural-log LSE.
         keys_per_step: tail keys attended per loop step (a power of 2, >= 16).
+        num_stages: software-pipelining stages of the key loop (CUDA).
     """
     num_tokens, num_heads, width = q.shape
     if num_tokens == 0:
@@ -157,5 +159,5 @@ def tail_merge(
         num_heads, kv_cache.shape[1], sm_scale, LN2 if lse_in_base2 else 1.0,
         DV=dv, DR=width - dv, BLOCK_H=block_h, KEYS=keys_per_step,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8,
+        num_warps=8, num_stages=num_stages,
     )
