@@ -201,13 +201,14 @@ def point(setup, ws, args):
               else "fa3")
     for path in args.paths:
         if path.startswith("fa3"):
-            keys, stages = (int(v) for v in path.partition(":")[2].split("x")
-                            ) if ":" in path else (16, 3)
+            tail = {}
+            if ":" in path:
+                keys, stages = (int(v) for v in path.partition(":")[2].split("x"))
+                tail = dict(tail_keys_per_step=keys, tail_num_stages=stages)
             kernel = FlashInferSm90MLA(ws, num_heads=setup.heads, page_size=PAGE,
                                        sm_scale=setup.scale, dtype=torch.bfloat16,
                                        max_rows=setup.rows,
-                                       max_cols=setup.table.shape[1],
-                                       tail_keys_per_step=keys, tail_num_stages=stages)
+                                       max_cols=setup.table.shape[1], **tail)
 
             def plan(seq, kernel=kernel, whole_pages=path != "fa3-exact"):
                 flat = setup.build_rows(seq)

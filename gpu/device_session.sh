@@ -7,7 +7,7 @@
 # every step (the device tool returns at most 8 files).
 # Usage (repo root, on the device): BUDGET=seconds WHL=.whl bash gpu/device_session.sh
 set -u
-OUT=${OUT:-.out}; mkdir -p "$OUT"; RES=/tmp/dev_results; rm -rf $RES; mkdir -p $RES/b64
+OUT=${OUT:-.out}; mkdir -p "$OUT"; RES=/tmp/dev_results; rm -rf $RES; mkdir -p $RES/b64 $RES/b8 $RES/h96
 WHL=${WHL:-.whl}; BUDGET=${BUDGET:-240}; FI=0.7.2.post1
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -38,10 +38,17 @@ TAIL=5 step pytest 120 python3 -m pytest -q -p no:cacheprovider -W ignore \
   tests/test_flashinfer_sm90_mla.py tests/gpu/test_flashinfer_sm90_dcp.py \
   tests/test_triton_mla_split_kv.py
 # 3. Batch-1 decode steps (61 layers): the backend's paths, FA3 with exact prefixes (the
-#    cost of whole-page tails), the plan with repeated and with changing lengths.
-TAIL=40 step decode_step 170 python3 -m benchmarks.decode_step --layers 61 --batch 1 \
-  --ctx 32768 262144 --world 1 2 4 8 --paths fa3 fa3-exact split --profile --out-dir $RES
-# 4. Batch 64, FA3 only (the backend's path there), both prefix modes.
+#    cost of whole-page tails) and with the old 16-key tail loop, the plan with repeated
+#    and with changing lengths.
+TAIL=40 step decode_step 150 python3 -m benchmarks.decode_step --layers 61 --batch 1 \
+  --ctx 32768 262144 --world 1 2 4 8 --paths fa3 fa3-exact fa3:16x3 split --profile \
+  --out-dir $RES
+# 4. Batch 64 and 8, FA3 only (the backend's path there).
 TAIL=12 step decode_step_b64 90 python3 -m benchmarks.decode_step --layers 61 --batch 64 \
-  --ctx 32768 --world 1 8 --paths fa3 fa3-exact --out-dir $RES/b64
+  --ctx 32768 --world 1 8 --paths fa3 fa3-exact fa3:64x1 fa3:16x3 --out-dir $RES/b64
+TAIL=12 step decode_step_b8 60 python3 -m benchmarks.decode_step --layers 61 --batch 8 \
+  --ctx 32768 262144 --world 1 2 4 8 --paths fa3 --out-dir $RES/b8
+# 5. 96 heads (Kimi-K3 at TP8 x DCP8 after the query gather), batch 1.
+TAIL=8 step decode_step_h96 60 python3 -m benchmarks.decode_step --layers 61 --heads 96 \
+  --batch 1 --ctx 262144 --world 1 8 --paths fa3 --out-dir $RES/h96
 echo "=== done at $(( $(date +%s) - T0 ))s"

@@ -274,7 +274,9 @@ class FlashInferSm90MLA:
             every later plan of that S rewrites in place); other plans use a
             plain wrapper. None: every S (tests and scripts).
         tail_keys_per_step, tail_num_stages: the tail kernel's keys per
-            loop step and pipelining stages (``mla_tail_merge.tail_merge``).
+            loop step and pipelining stages (``mla_tail_merge.tail_merge``);
+            64 keys take a whole-page tail in one or two steps (benchmarks/
+            RESULTS.md, run 14).
 
     A wrapper whose last FlashInfer plan had the same schedule (segment
     query offsets, page offsets and KV lengths) is not planned again: FA3
@@ -296,8 +298,8 @@ class FlashInferSm90MLA:
         max_rows: int | None = None,
         max_cols: int | None = None,
         graph_segment_counts: set[int] | None = None,
-        tail_keys_per_step: int = 16,
-        tail_num_stages: int = 3,
+        tail_keys_per_step: int = 64,
+        tail_num_stages: int = 2,
     ) -> None:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
