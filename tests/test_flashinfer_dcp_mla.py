@@ -82,6 +82,9 @@ CASES = {  # (seq_lens, query_lens): q_len <= 1 + NUM_SPEC
     # CUDA-graph padding: trailing zero-length requests (padding rows).
     "padded": ([37, 4, 300, 0, 0], [4, 4, 4, 0, 0]),
     "ragged": ([37, 2, 300, 18, 130], [4, 1, 3, 2, 4]),
+    # "uniform" 32 tokens later (one local page at DCP 2, block 16), but for
+    # the request already at max_model_len's bound.
+    "uniform_grown": ([69, 36, 300, 50, 162], [4, 4, 4, 4, 4]),
 }
 
 
@@ -96,10 +99,14 @@ def _force_path(sm90, monkeypatch, path):
                         10**6 if path == "split" else 0)
 
 
-def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
+def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0,
+               kept=None, host_overcount=None):
     """Every rank: real builder + NUM_LAYERS forward_mqa calls; returns the
     merged (out, lse), the reference, the per-rank FA3 plan counts and the
-    kernel objects each rank planned."""
+    kernel objects each rank planned. ``kept``: a dict that keeps the config
+    and each rank's builder for the next call (as vLLM keeps them across
+    forwards); ``host_overcount``: the host lengths' excess over the exact
+    ones (default: random, 0..NUM_SPEC per request)."""
     seq_lens, query_lens = CASES[shape]
     batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
                                 num_heads=NUM_HEADS, seed=seed)
@@ -108,9 +115,13 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
     batch.kv_cache = batch.kv_cache.bfloat16().float()
     batch.kv_cache[0] = null
     ref_out, ref_lse = full_attention(batch, causal=causal)
-    config = make_vllm_config(tmp_path / "model", dcp=world, interleave=interleave,
-                              block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC)
-    config.model_config.dtype = torch.bfloat16
+    kept = {} if kept is None else kept
+    if "config" not in kept:
+        kept["config"] = make_vllm_config(
+            tmp_path / "model", dcp=world, interleave=interleave,
+            block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC)
+        kept["config"].model_config.dtype = torch.bfloat16
+    config = kept["config"]
     layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     gen = torch.Generator().manual_seed(seed + 7)
     plans, planned = [], []
@@ -120,8 +131,11 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
 
         rank = layout.rank
         with fake_dcp_group(world, rank), set_current_vllm_config(config):
-            builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config,
-                                   layer_names=layer_names, non_causal=not causal)
+            if rank not in kept:
+                kept[rank] = make_builder(sm90.FlashInferDCPMLAMetadataBuilder,
+                                          config, layer_names=layer_names,
+                                          non_causal=not causal)
+            builder = kept[rank]
             impl = _make_impl(sm90, batch.scale)
             context = config.compilation_config.static_forward_context
             for name in layer_names:
@@ -129,8 +143,10 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0):
             common = common_metadata(seq_lens, query_lens, table, world_size=world,
                                      rank=rank, interleave=interleave, causal=causal)
             # Async spec decode: the host lengths assume every draft accepted.
-            common.seq_lens_cpu_upper_bound = common.seq_lens + torch.randint(
-                0, NUM_SPEC + 1, common.seq_lens.shape, generator=gen).int()
+            overcount = (torch.randint(0, NUM_SPEC + 1, common.seq_lens.shape,
+                                       generator=gen) if host_overcount is None
+                         else host_overcount)
+            common.seq_lens_cpu_upper_bound = (common.seq_lens + overcount).int()
             before = sum(c[0] == "plan" for c in _FakeWrapper.calls)
             metadata = builder.build(0, common)
             q = batch.q.bfloat16()
@@ -174,6 +190,25 @@ def test_triton_path_backend_merges_to_full_attention(sm90, tmp_path, monkeypatc
         assert planned == [("TritonMLASplitKV", group)] * world
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+def test_triton_path_builder_reuses_an_unchanged_fa3_schedule(sm90, tmp_path,
+                                                              monkeypatch):
+    """The real builders, kept across forwards as vLLM keeps them, on the FA3
+    path: a forward at the same lengths with new pages, cache and queries
+    reuses FlashInfer's plan on every rank; one whose requests grew by a
+    local page plans again; each merges to full attention."""
+    _force_path(sm90, monkeypatch, "fa3")
+    kept = {}
+    for shape, seed, expected in (("uniform", 0, [1, 1]), ("uniform", 1, [0, 0]),
+                                  ("uniform_grown", 2, [1, 1])):
+        out, lse, ref_out, ref_lse, plans, _ = _run_ranks(
+            sm90, tmp_path, world=2, interleave=1, causal=True, shape=shape,
+            seed=seed, kept=kept, host_overcount=NUM_SPEC)
+        assert plans == expected, (shape, seed, plans)
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
 def _planned_path(sm90, config, seq_lens, query_lens, *, causal, seed):
