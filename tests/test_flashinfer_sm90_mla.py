@@ -24,6 +24,8 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 import fa3_native  # benchmarks/ (pytest's pythonpath)
@@ -266,6 +268,46 @@ def test_plan_prefix_tail_host_segments():
     for p in (plan, paged):
         assert p.qo_indptr.dtype == p.kv_lens.dtype == p.kv_indptr.dtype == torch.int32
         assert p.qo_indptr.device.type == "cpu"
+
+
+def _segments_reference(qsl, prefix, num_rows, page, whole_pages):
+    """plan_prefix_tail_host's segments, written with torch ops (the form it
+    had before it moved to Python ints)."""
+    qsl = qsl.long()
+    num_tokens = min(int(qsl[-1]), num_rows)
+    q_lens = qsl[1:] - qsl[:-1]
+    reqs = torch.nonzero((q_lens > 0) & (qsl[:-1] < num_tokens)).flatten()
+    keys = prefix.long().clamp(min=0)
+    if whole_pages:
+        keys = keys - keys % page
+    pad_len = max(int(q_lens.max()), 1) if q_lens.numel() else 1
+    pads = torch.arange(num_tokens, num_rows, pad_len)
+    qo = torch.cat([qsl[reqs], pads, torch.tensor([num_rows])])
+    kv_lens = torch.cat([keys[reqs], torch.zeros_like(pads)])
+    kv_indptr = torch.cat([torch.zeros(1, dtype=torch.long),
+                           torch.cumsum((kv_lens + page - 1) // page, 0)])
+    rows = torch.repeat_interleave(kv_lens, qo[1:] - qo[:-1])
+    return qo, kv_lens, kv_indptr, torch.cat([reqs, torch.zeros_like(pads)]), rows
+
+
+@given(q_lens=st.lists(st.integers(0, 8), min_size=0, max_size=12),
+       data=st.data(), page=st.sampled_from([1, 16, 64]), whole_pages=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_plan_prefix_tail_host_matches_torch_reference(q_lens, data, page, whole_pages):
+    """Random ragged batches: q_len-0 requests, negative and page-straddling
+    prefixes, fewer or more rows than tokens."""
+    qsl = torch.tensor([0] + q_lens).cumsum(0).int()
+    prefix = torch.tensor(data.draw(st.lists(st.integers(-5, 300), min_size=len(q_lens),
+                                             max_size=len(q_lens))), dtype=torch.int64)
+    num_rows = data.draw(st.integers(0, int(qsl[-1]) + 6))
+    plan = fsm.plan_prefix_tail_host(qsl, prefix, num_rows=num_rows, page_size=page,
+                                     whole_pages=whole_pages)
+    ref = _segments_reference(qsl, prefix, num_rows, page, whole_pages)
+    got = (plan.qo_indptr, plan.kv_lens, plan.kv_indptr, plan.seg_to_req, plan.row_prefix)
+    for name, g, r in zip(("qo_indptr", "kv_lens", "kv_indptr", "seg_to_req",
+                           "row_prefix"), got, ref):
+        assert g.tolist() == r.tolist(), name
+    assert plan.num_rows == num_rows
 
 
 def test_rows_run_are_rows_planned(fake_flashinfer):

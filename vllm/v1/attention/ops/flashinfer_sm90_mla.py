@@ -31,7 +31,9 @@ B block-table columns.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate, chain, repeat
 
 import torch
 
@@ -132,31 +134,31 @@ def plan_prefix_tail_host(
         page_size: tokens per KV page.
         whole_pages: round each prefix down to a multiple of ``page_size``.
     """
-    qsl = query_start_loc.to(torch.int64)
-    num_reqs = qsl.shape[0] - 1
-    num_tokens = min(int(qsl[-1]), num_rows) if num_reqs >= 0 else 0
-    q_lens = qsl[1:] - qsl[:-1]
-    live = (q_lens > 0) & (qsl[:-1] < num_tokens)
-    reqs = torch.nonzero(live).flatten()
-    prefix = prefix_lens.to(torch.int64).clamp(min=0)
+    # Python ints and one tensor: torch's per-op cost on small CPU tensors
+    # would dominate the builder's host time.
+    qsl = query_start_loc.tolist()
+    prefix = prefix_lens.tolist()
+    num_tokens = min(qsl[-1], num_rows)
+    reqs = [req for req, (start, end) in enumerate(zip(qsl, qsl[1:]))
+            if start < end and start < num_tokens]
+    keys = [max(prefix[req], 0) for req in reqs]
     if whole_pages:
-        prefix = prefix - prefix % page_size
-    pad_len = max(int(q_lens.max()), 1) if num_reqs > 0 else 1
-    pad_starts = torch.arange(num_tokens, num_rows, pad_len, dtype=torch.int64)
-    qo_indptr = torch.cat([qsl[reqs], pad_starts,
-                           torch.tensor([num_rows], dtype=torch.int64)])
-    kv_lens = torch.cat([prefix[reqs], torch.zeros_like(pad_starts)])
-    pages = (kv_lens + page_size - 1) // page_size
-    kv_indptr = torch.zeros(kv_lens.shape[0] + 1, dtype=torch.int64)
-    torch.cumsum(pages, 0, out=kv_indptr[1:])
-    seg_to_req = torch.cat([reqs, torch.zeros_like(pad_starts)])
-    seg_q_lens = qo_indptr[1:] - qo_indptr[:-1]
-    row_prefix = torch.repeat_interleave(kv_lens, seg_q_lens)
-    return PrefixTailPlan(qo_indptr=qo_indptr.to(torch.int32),
-                          kv_lens=kv_lens.to(torch.int32),
-                          kv_indptr=kv_indptr.to(torch.int32),
-                          seg_to_req=seg_to_req,
-                          row_prefix=row_prefix.to(torch.int32))
+        keys = [n - n % page_size for n in keys]
+    pad_len = max(max((end - start for start, end in zip(qsl, qsl[1:])), default=0), 1)
+    pads = list(range(num_tokens, num_rows, pad_len))
+    qo_indptr = [qsl[req] for req in reqs] + pads + [num_rows]
+    kv_lens = keys + [0] * len(pads)
+    kv_indptr = list(accumulate([-(-n // page_size) for n in kv_lens], initial=0))
+    seg_q_lens = [end - start for start, end in zip(qo_indptr, qo_indptr[1:])]
+    row_prefix = list(chain.from_iterable(map(repeat, kv_lens, seg_q_lens)))
+    num_segs = len(kv_lens)
+    packed = torch.frombuffer(array("i", qo_indptr + kv_lens + kv_indptr + row_prefix),
+                              dtype=torch.int32)
+    qo, kv, indptr, rows = packed.split([num_segs + 1, num_segs, num_segs + 1,
+                                         len(row_prefix)])
+    return PrefixTailPlan(qo_indptr=qo, kv_lens=kv, kv_indptr=indptr,
+                          seg_to_req=torch.tensor(reqs + [0] * len(pads)),
+                          row_prefix=rows)
 
 
 def host_prefix_lens(
