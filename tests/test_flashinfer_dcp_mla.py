@@ -19,8 +19,6 @@ them in a subprocess on every CI run). The ranks' outputs, merged, must equal
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from types import SimpleNamespace
 from unittest import mock
@@ -32,13 +30,11 @@ from builder_harness import common_metadata, fake_dcp_group, make_builder, make_
 from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
 from kernel_stubs import import_on_cpu
 from test_flashinfer_sm90_mla import _FakeWrapper, fake_flashinfer_package
+from triton_interpreted import (
+    needs_triton, run_triton_path_tests, runs_where_triton_cannot)
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
 
-CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(
-    not CAN_RUN_TRITON,
-    reason="run under TRITON_INTERPRET=1 by test_interpreter_runs_triton_path_tests")
 
 # Query heads after vLLM's DCP query gather: the tiny model's 8 heads
 # (TP = DCP, so every rank sees all of them).
@@ -317,14 +313,7 @@ def test_sm90_graph_support_and_host_offsets(sm90, tmp_path):
     assert not sm90.FlashInferDCPMLABackend.supports_device_cpu_query_lens_mismatch()
 
 
-@pytest.mark.skipif(CAN_RUN_TRITON, reason="the triton_path tests run directly here")
+@runs_where_triton_cannot
 def test_interpreter_runs_triton_path_tests():
     """Every CI run: the triton_path tests under Triton's interpreter."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-         __file__, "-k", "triton_path and not interpreter_runs"],
-        capture_output=True, text=True, timeout=1800,
-        env=dict(os.environ, TRITON_INTERPRET="1"))
-    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail
+    run_triton_path_tests(__file__)

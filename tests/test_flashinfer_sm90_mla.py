@@ -17,8 +17,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import os
-import subprocess
 import sys
 import types
 
@@ -29,6 +27,8 @@ from hypothesis import strategies as st
 
 
 import fa3_native  # benchmarks/ (pytest's pythonpath)
+from triton_interpreted import (
+    DEVICE, needs_triton, run_triton_path_tests, runs_where_triton_cannot)
 from vllm.v1.attention.ops import dcp_decode as dcp
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops import flashinfer_sm90_mla as fsm
@@ -184,12 +184,6 @@ def _dcp_case(seed, causal, page=16, lens=(3, 40, 70, 9, 2)):
     return cache, table, seq, qsl, q, page, heads
 
 
-# The prefix+tail path launches a Triton kernel: CUDA, or TRITON_INTERPRET=1.
-CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(
-    not CAN_RUN_TRITON,
-    reason="run under TRITON_INTERPRET=1 by test_interpreter_runs_triton_path_tests")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _merged_dcp(causal, world, interleave, *, seed=0, lens=(3, 40, 70, 9, 2),
@@ -363,25 +357,10 @@ def test_prefix_tail_plan_uses_persistent_buffers(fake_flashinfer):
         mla.plan_prefix_tail(big, table, flat.seq_lens, flat.block_table)
 
 
-@needs_triton
-@pytest.mark.parametrize("flashinfer", ["fake", "real"])
-def test_triton_path_unchanged_schedule_is_not_replanned(request, flashinfer):
-    """FlashInfer is planned again only where a wrapper's schedule (segment
-    query offsets, whole-page prefixes) changed; every forward still reads
-    its own pages, lengths and queries. Forwards of two causal requests
-    (q_len 2, page 16) through the graph wrappers, each checked against the
-    reference decode of the same rows: new pages at the same lengths and
-    longer tails within the same pages reuse the plan; a prefix that fills
-    a page, a return to the old lengths, and another segment count plan;
-    back at the first count, that wrapper's unchanged schedule is reused.
-    "real" runs FlashInfer's FA3 (CUDA)."""
-    if flashinfer == "fake":
-        request.getfixturevalue("fake_flashinfer")
-        dtype, heads, page, tol = torch.float32, 2, 16, 1e-4
-    elif DEVICE != "cuda" or not HAVE_FLASHINFER:
-        pytest.skip("FlashInfer's FA3 needs an sm90 GPU")
-    else:
-        dtype, heads, page, tol = torch.bfloat16, 16, 64, 2e-2
+def _check_schedule_reuse(*, dtype, heads, page, tol):
+    """Forwards of two causal requests through the graph wrappers, each
+    checked against the reference decode of the same rows, with the FA3 plan
+    count after each (see the tests below)."""
     cols, scale = 8, 0.07
     gen = torch.Generator().manual_seed(5)
     mla = fsm.FlashInferSm90MLA(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE),
@@ -418,6 +397,24 @@ def test_triton_path_unchanged_schedule_is_not_replanned(request, flashinfer):
         has = flat.seq_lens > 0
         torch.testing.assert_close(out.float()[has], ref_out[has], atol=tol, rtol=tol)
         torch.testing.assert_close(lse[has], ref_lse[has], atol=tol, rtol=0)
+
+
+@needs_triton
+def test_triton_path_unchanged_schedule_is_not_replanned(fake_flashinfer):
+    """FlashInfer is planned again only where a wrapper's schedule (segment
+    query offsets, whole-page prefixes) changed; every forward still reads
+    its own pages, lengths and queries: new pages at the same lengths and
+    longer tails within the same pages reuse the plan; a prefix that fills
+    a page, a return to the old lengths, and another segment count plan;
+    back at the first count, that wrapper's unchanged schedule is reused."""
+    _check_schedule_reuse(dtype=torch.float32, heads=2, page=16, tol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not HAVE_FLASHINFER,
+                    reason="FlashInfer's FA3 needs an sm90 GPU")
+def test_unchanged_schedule_is_not_replanned_on_flashinfer_fa3():
+    """The same forwards on FlashInfer's FA3 (page 64, bf16, 16 heads)."""
+    _check_schedule_reuse(dtype=torch.bfloat16, heads=16, page=64, tol=2e-2)
 
 
 @pytest.mark.skipif(not HAVE_FLASHINFER, reason="flashinfer not importable")
@@ -503,14 +500,7 @@ def test_triton_path_tail_merge_matches_reference(dtype, keys, stages):
     assert bool((got_out[row_lens == 0] == 0).all())
 
 
-@pytest.mark.skipif(CAN_RUN_TRITON, reason="the triton_path tests run directly here")
+@runs_where_triton_cannot
 def test_interpreter_runs_triton_path_tests():
     """Every CI run: the triton_path tests under Triton's interpreter."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "triton_path and not interpreter_runs"],
-        capture_output=True, text=True, timeout=1200,
-        env=dict(os.environ, TRITON_INTERPRET="1"))
-    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail
+    run_triton_path_tests(__file__)

@@ -14,13 +14,12 @@ Kimi-K3's 512 + 64.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from triton_interpreted import (
+    DEVICE, needs_triton, run_triton_path_tests, runs_where_triton_cannot)
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.dcp_simulated_ranks import (
@@ -29,11 +28,6 @@ from vllm.v1.attention.ops.dcp_simulated_ranks import (
 )
 from vllm.v1.attention.ops import triton_mla_split_kv as sk
 
-CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(
-    not CAN_RUN_TRITON,
-    reason="run under TRITON_INTERPRET=1 by test_interpreter_runs_triton_path_tests")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 0.0721
 
 
@@ -353,14 +347,7 @@ def test_plan_is_host_only_and_buffers_fixed():
         mla.run(q, torch.zeros(2, 16, 80))
 
 
-@pytest.mark.skipif(CAN_RUN_TRITON, reason="the triton_path tests run directly here")
+@runs_where_triton_cannot
 def test_interpreter_runs_triton_path_tests():
     """Every CI run: the triton_path tests under Triton's interpreter."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-         __file__, "-k", "triton_path and not interpreter_runs"],
-        capture_output=True, text=True, timeout=1800,
-        env=dict(os.environ, TRITON_INTERPRET="1"))
-    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail
+    run_triton_path_tests(__file__)

@@ -1,0 +1,39 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton kernels in CPU tests: run them under Triton's interpreter.
+
+Tests whose name holds ``triton_path`` launch Triton kernels. They run
+directly on CUDA or under ``TRITON_INTERPRET=1``; without either they skip,
+and the module's ``test_interpreter_runs_triton_path_tests`` runs them in a
+fresh process with the interpreter on (Triton reads the variable when it is
+imported), so every CPU CI run executes them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CAN_RUN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    not CAN_RUN_TRITON,
+    reason="run under TRITON_INTERPRET=1 by test_interpreter_runs_triton_path_tests")
+runs_where_triton_cannot = pytest.mark.skipif(
+    CAN_RUN_TRITON, reason="the triton_path tests run directly here")
+
+
+def run_triton_path_tests(test_file: str, *, timeout: int = 1800) -> None:
+    """Run ``test_file``'s triton_path tests under the interpreter; every one
+    of them must pass (a skip fails too: it would hide a kernel not run)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+         test_file, "-k", "triton_path and not interpreter_runs"],
+        capture_output=True, text=True, timeout=timeout,
+        env=dict(os.environ, TRITON_INTERPRET="1"))
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail
