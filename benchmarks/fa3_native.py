@@ -113,11 +113,13 @@ class NativeFA3MLA:
 
 def plan_prefix_tail_from_rows(mla: FlashInferSm90MLA, flat: FlatDecode,
                                query_start_loc: torch.Tensor) -> None:
-    """Plan ``mla`` as the backend does, with exact prefixes from the rows.
+    """Plan ``mla`` as the backend does, with prefixes from the rows' exact
+    bounds (the backend's come from host lengths).
 
     A request's per-token local bounds ``l_0 <= .. <= l_{n-1}`` step by 0 or
-    1, so its first token's bound ``l_0`` is the prefix every token sees; the
-    tail kernel adds each token's ``l_t - l_0 <= n - 1`` keys.
+    1, so its first token's bound ``l_0`` is the prefix every token sees;
+    ``plan_prefix_tail_host`` rounds it down to whole pages, and the tail
+    kernel adds each token's remaining keys (fewer than a page + ``n``).
 
     Args:
         mla: the adapter to plan.
