@@ -26,7 +26,8 @@ from unittest import mock
 import pytest
 import torch
 
-from builder_harness import common_metadata, fake_dcp_group, make_builder, make_vllm_config
+from builder_harness import (
+    TINY_MLA_CONFIG, common_metadata, fake_dcp_group, make_builder, make_vllm_config)
 from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
 from kernel_stubs import import_on_cpu
 from test_flashinfer_sm90_mla import _FakeWrapper, fake_flashinfer_package
@@ -42,6 +43,8 @@ NUM_HEADS = 8
 BLOCK_SIZE = 16
 NUM_LAYERS = 3
 NUM_SPEC = 3
+# A draft model's layers are numbered after the target model's.
+TARGET_LAYERS = TINY_MLA_CONFIG["num_hidden_layers"]
 
 
 @pytest.fixture
@@ -81,6 +84,10 @@ CASES = {  # (seq_lens, query_lens): q_len <= 1 + NUM_SPEC
     # "uniform" 32 tokens later (one local page at DCP 2, block 16), but for
     # the request already at max_model_len's bound.
     "uniform_grown": ([69, 36, 300, 50, 162], [4, 4, 4, 4, 4]),
+    # Lengths a few tokens short of a local page edge (16 local tokens) at
+    # DCP 2 x interleave 1 and DCP 4 x interleave 16: a host length a few
+    # tokens over reaches past the edge.
+    "page_edges": ([61, 62, 78, 142, 206], [4, 4, 4, 4, 4]),
 }
 
 
@@ -102,7 +109,9 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0,
     kernel objects each rank planned. ``kept``: a dict that keeps the config
     and each rank's builder for the next call (as vLLM keeps them across
     forwards); ``host_overcount``: the host lengths' excess over the exact
-    ones (default: random, 0..NUM_SPEC per request)."""
+    ones (default: random, up to what vLLM hands over: NUM_SPEC per request
+    for the causal target verify, 2 x NUM_SPEC for the non-causal DSpark
+    draft, whose layers are numbered after the target's)."""
     seq_lens, query_lens = CASES[shape]
     batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
                                 num_heads=NUM_HEADS, seed=seed)
@@ -118,7 +127,10 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0,
             block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC)
         kept["config"].model_config.dtype = torch.bfloat16
     config = kept["config"]
-    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    first_layer = 0 if causal else TARGET_LAYERS  # the draft's come after
+    layer_names = [f"model.layers.{first_layer + i}.self_attn.attn"
+                   for i in range(NUM_LAYERS)]
+    max_overcount = NUM_SPEC if causal else 2 * NUM_SPEC
     gen = torch.Generator().manual_seed(seed + 7)
     plans, planned = [], []
 
@@ -139,7 +151,7 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0,
             common = common_metadata(seq_lens, query_lens, table, world_size=world,
                                      rank=rank, interleave=interleave, causal=causal)
             # Async spec decode: the host lengths assume every draft accepted.
-            overcount = (torch.randint(0, NUM_SPEC + 1, common.seq_lens.shape,
+            overcount = (torch.randint(0, max_overcount + 1, common.seq_lens.shape,
                                        generator=gen) if host_overcount is None
                          else host_overcount)
             common.seq_lens_cpu_upper_bound = (common.seq_lens + overcount).int()
@@ -205,6 +217,126 @@ def test_triton_path_builder_reuses_an_unchanged_fa3_schedule(sm90, tmp_path,
         assert plans == expected, (shape, seed, plans)
         torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16)])
+def test_triton_path_draft_with_the_largest_async_host_overcount(sm90, tmp_path,
+                                                                 monkeypatch, world,
+                                                                 interleave):
+    """The DSpark draft's host lengths exceed the device's by up to 2k (k
+    rejected in the previous async step, k in this one): at that over-count
+    on every request the draft's FA3 prefixes still hold only keys every
+    token sees, and the ranks merge to full attention."""
+    _force_path(sm90, monkeypatch, "fa3")
+    out, lse, ref_out, ref_lse, _, _ = _run_ranks(
+        sm90, tmp_path, world=world, interleave=interleave, causal=False,
+        shape="page_edges", seed=5, host_overcount=2 * NUM_SPEC)
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_sm90_host_slack_per_model(sm90, tmp_path):
+    """k for the target's verify, 2k for a draft model's layers (numbered
+    after the target's, or a non-causal drafter's attention config)."""
+    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
+                              num_speculative_tokens=NUM_SPEC)
+    cases = ((["model.layers.0.self_attn.attn"], False, NUM_SPEC),
+             ([f"model.layers.{TARGET_LAYERS}.self_attn.attn"], False, 2 * NUM_SPEC),
+             (["model.layers.0.self_attn.attn"], True, 2 * NUM_SPEC))
+    for layer_names, non_causal_drafter, slack in cases:
+        config.attention_config.use_non_causal = non_causal_drafter
+        with fake_dcp_group(2, 0):
+            builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config,
+                                   layer_names=layer_names)
+        assert builder._sm90_host_slack == slack, (layer_names, non_causal_drafter)
+
+
+GRAPH_NUM_SPEC = 4  # the k of the issue's failing shapes (25/5, 12/3, ...)
+
+
+def _capture_batch(num_tokens, num_reqs, query_len, *, num_cols, seed):
+    """A FULL graph's batch of ``num_reqs`` padded requests: vLLM's capture
+    dummy (every request ``query_len`` tokens, ``seed`` None) or a later
+    replay (fewer real requests of random lengths, then zero-length ones,
+    as Model Runner V2 pads a uniform decode batch)."""
+    real = num_reqs if seed is None else max(num_reqs - 1, 1)
+    gen = torch.Generator().manual_seed(seed or 0)
+    seq_lens = ([query_len] * real if seed is None else
+                (torch.randint(0, 900, (real,), generator=gen) + query_len).tolist())
+    pad = num_reqs - real
+    table = torch.randint(1, 99, (num_reqs, num_cols), generator=gen, dtype=torch.int32)
+    return seq_lens + [0] * pad, [query_len] * real + [0] * pad, table, num_tokens
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_sm90_graph_wrappers_cover_every_shape_vllm_captures(sm90, tmp_path,
+                                                             monkeypatch, role):
+    """Every FULL uniform-decode graph vLLM's own CudaGraphManager captures
+    (its default sizes; the target verifies 1 + k tokens, the DSpark draft a
+    k-token block) is planned on a FlashInfer CUDA-graph wrapper when vLLM
+    builds it for capture, and every later batch replayed in that graph
+    (fewer real requests, padded) plans on that same wrapper."""
+    from vllm.config import set_current_vllm_config
+    from vllm_capture_shapes import full_decode_shapes
+
+    _force_path(sm90, monkeypatch, "fa3")
+    draft = role == "draft"
+    query_len = GRAPH_NUM_SPEC if draft else 1 + GRAPH_NUM_SPEC
+    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
+                              num_speculative_tokens=GRAPH_NUM_SPEC)
+    config.model_config.dtype = torch.bfloat16
+    shapes = full_decode_shapes(config, query_len)
+    # As DFlashSpeculator.attn_vllm_config gives the draft's builders.
+    config.attention_config.use_non_causal = draft
+    with fake_dcp_group(2, 0), set_current_vllm_config(config):
+        builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config,
+                               non_causal=draft)
+        config.compilation_config.static_forward_context[
+            "model.layers.0.attn"].impl = _make_impl(sm90, 0.0721)
+        num_cols = builder._dcp_rows.block_table.shape[1]
+        for num_tokens, num_reqs in shapes:
+            wrappers = []
+            for seed in (None, num_tokens):
+                seq_lens, query_lens, table, padded = _capture_batch(
+                    num_tokens, num_reqs, query_len, num_cols=num_cols, seed=seed)
+                common = common_metadata(seq_lens, query_lens, table, world_size=2,
+                                         rank=0, interleave=1, causal=not draft)
+                common.num_actual_tokens = padded
+                common.max_query_len = query_len
+                metadata = (builder.build_for_cudagraph_capture(common) if seed is None
+                            else builder.build(0, common))
+                kernel = metadata.decode.kernel_state["sm90_planned"]
+                wrappers.append(kernel._wrapper)
+            assert wrappers[0] is not kernel._eager_wrapper, (role, num_tokens, num_reqs)
+            assert wrappers[1] is wrappers[0], (role, num_tokens, num_reqs)
+
+
+def test_sm90_refuses_to_capture_a_plain_wrapper_plan(sm90, tmp_path, monkeypatch):
+    """A forward planned outside vLLM's capture build (so on FlashInfer's plain
+    wrapper) is refused, loudly, if a CUDA graph captures it."""
+    from vllm.config import set_current_vllm_config
+
+    _force_path(sm90, monkeypatch, "fa3")
+    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
+                              num_speculative_tokens=NUM_SPEC)
+    config.model_config.dtype = torch.bfloat16
+    seq_lens, query_lens = CASES["uniform"]
+    batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
+                                num_heads=NUM_HEADS)
+    with fake_dcp_group(2, 0), set_current_vllm_config(config):
+        builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config)
+        impl = _make_impl(sm90, batch.scale)
+        config.compilation_config.static_forward_context[
+            "model.layers.0.attn"].impl = impl
+        common = common_metadata(seq_lens, query_lens, batch.block_table,
+                                 world_size=2, rank=0, interleave=1)
+        metadata = builder.build(0, common)
+        fa3 = sys.modules["vllm.v1.attention.ops.flashinfer_sm90_mla"]
+        monkeypatch.setattr(fa3, "_capturing", lambda device: True)
+        with pytest.raises(RuntimeError, match="plain wrapper"):
+            impl.forward_mqa(batch.q.bfloat16(), batch.kv_cache.bfloat16(), metadata,
+                             _layer())
 
 
 def _planned_path(sm90, config, seq_lens, query_lens, *, causal, seed):

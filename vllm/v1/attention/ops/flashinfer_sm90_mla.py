@@ -236,6 +236,11 @@ def plan_fa3_csr(wrapper, shape, qo_indptr, kv_indptr, kv_indices, kv_lens, *,
     )
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host-to-device copy without a device-to-host sync."""
     if device.type == "cuda":
@@ -274,7 +279,11 @@ class FlashInferSm90MLA:
             through a FlashInfer CUDA-graph wrapper (one per S, made on first
             use, with reserved metadata buffers and an integer workspace that
             every later plan of that S rewrites in place); other plans use a
-            plain wrapper. None: every S (tests and scripts).
+            plain wrapper, which a CUDA graph must never capture (it
+            allocates a new workspace per plan: ``run`` refuses it while
+            capturing). A plan made ``for_graph`` adds its S to the set, so a
+            builder that passes ``set()`` gets graph wrappers for exactly the
+            shapes vLLM captures. None: every S (tests and scripts).
         tail_keys_per_step, tail_num_stages: the tail kernel's keys per
             loop step and pipelining stages (``mla_tail_merge.tail_merge``);
             64 keys take a whole-page tail in one or two steps (benchmarks/
@@ -310,7 +319,8 @@ class FlashInferSm90MLA:
         self._eager_wrapper = BatchMLAPagedAttentionWrapper(workspace, backend="fa3")
         self._wrapper = self._eager_wrapper
         self._graph_wrappers: dict[int, object] = {}
-        self._graph_segment_counts = graph_segment_counts
+        self._graph_segment_counts = (None if graph_segment_counts is None
+                                      else set(graph_segment_counts))
         self.device = workspace.device
         self.num_heads = num_heads
         self.page_size = page_size
@@ -380,6 +390,8 @@ class FlashInferSm90MLA:
         block_table: torch.Tensor,
         row_lens: torch.Tensor,
         row_block_table: torch.Tensor,
+        *,
+        for_graph: bool = False,
     ) -> None:
         """Plan FA3 over the prefix segments; ``run`` adds the tails.
 
@@ -389,8 +401,13 @@ class FlashInferSm90MLA:
             row_lens: int32 [>= T] exact local KV tokens of every row
                 (``FlatDecode.seq_lens``; 0 on padding rows).
             row_block_table: int32 [>= T, B] local block table of every row.
+            for_graph: the forward will be captured in a CUDA graph (and this
+                segment count replayed): plan it, and every later plan of
+                the same segment count, on a CUDA-graph wrapper.
         """
         num_rows, num_segs = plan.num_rows, plan.num_segments
+        if for_graph and self._graph_segment_counts is not None:
+            self._graph_segment_counts.add(num_segs)
         num_cols = block_table.shape[1]
         self._ensure_capacity(num_rows, num_cols)
         device = self.device
@@ -448,6 +465,13 @@ class FlashInferSm90MLA:
             raise ValueError(
                 f"FA3 MLA run of {num_tokens} rows, but the last plan was for "
                 f"{self.num_tokens}: plan every forward's rows before running")
+        if self._wrapper is self._eager_wrapper and _capturing(q.device):
+            raise RuntimeError(
+                f"FA3 MLA: a CUDA graph is being captured over a plan of "
+                f"{self.num_tokens} rows on FlashInfer's plain wrapper, whose "
+                f"workspace the next plan frees; plan graph shapes with "
+                f"for_graph=True (the metadata builder's "
+                f"build_for_cudagraph_capture does)")
         if q.shape[1] != self.num_heads or q.dtype != self.dtype:
             raise ValueError(
                 f"FA3 MLA planned for {self.num_heads} heads of {self.dtype}, "

@@ -37,6 +37,7 @@ selectable then (as upstream), on sm100 the builder and kernels are upstream's.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import ClassVar
 
 import torch
@@ -146,6 +147,8 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         if self.dcp_world_size > 1:
             route_combines_through_rows(vllm_config, layer_names)
         self._sm90_layer_names = list(layer_names)  # their impls' scale
+        self._sm90_for_graph = False
+        self._sm90_host_slack = self._host_length_slack()
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -167,6 +170,16 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         # upper bound under async speculative decoding).
         self._host_seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound
         return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        # Every FULL graph vLLM captures (target and draft, any version's
+        # capture sizes) is built here: its FA3 segment count gets a
+        # CUDA-graph wrapper, which its replays' plans then reuse.
+        self._sm90_for_graph = True
+        try:
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._sm90_for_graph = False
 
     def _build_decode(self, *, block_table_tensor, seq_lens_device, max_seq_len,
                       query_start_loc_cpu, query_start_loc_device,
@@ -192,11 +205,36 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         host = self._host_seq_lens
         if host is None:  # vLLM kept no host copy: read the device's (a sync)
             host = decode.dcp_tot_seq_lens.cpu()
-        spec = self.vllm_config.speculative_config
         return host_prefix_lens(
             host, query_start_loc_cpu, causal=decode.causal,
-            slack=(spec.num_speculative_tokens or 0) if spec is not None else 0,
-            layout=decode.layout)
+            slack=self._sm90_host_slack, layout=decode.layout)
+
+    def _host_length_slack(self) -> int:
+        """Most that vLLM's host lengths exceed the device's for this group.
+
+        With k speculative tokens under async scheduling the target's host
+        length assumes every draft of the last step accepted (up to k
+        over). A draft model's is the target's plus its query block, while
+        its device length starts after the last token the target accepted
+        this step: up to k more (``DFlashSpeculator``'s
+        ``seq_lens_cpu_upper_bound + step`` against ``last_valid_pos + 1``).
+        """
+        spec = self.vllm_config.speculative_config
+        num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
+        return 2 * num_spec if self._serves_draft_layers() else num_spec
+
+    def _serves_draft_layers(self) -> bool:
+        """Whether this group's layers are the draft model's: a non-causal
+        drafter's attention config (DFlash, DSpark), or layer indices past
+        the target's (a draft's layers are numbered after them)."""
+        if getattr(self.vllm_config.attention_config, "use_non_causal", False):
+            return True
+        num_target_layers = getattr(self.vllm_config.model_config.hf_text_config,
+                                    "num_hidden_layers", None)
+        indices = [re.search(r"layers\.(\d+)\.", name)
+                   for name in self._sm90_layer_names]
+        return (num_target_layers is not None and all(indices)
+                and min(int(m.group(1)) for m in indices) >= num_target_layers)
 
     def _sm90_scale(self) -> float:
         """The group's softmax scale, read off its layers' impls (as vLLM's
@@ -260,10 +298,8 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         if kernel is not None:
             return kernel
         rows = decode.flat
-        # A uniform batch padded to a capture size C has C / q_len segments:
-        # those plans get FlashInfer's CUDA-graph wrappers (one each).
-        query_len = max(self.reorder_batch_threshold, 1)
-        sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+        # No CUDA-graph wrapper up front: a plan for capture
+        # (``build_for_cudagraph_capture``) makes the one of its segment count.
         kernel = fa3.FlashInferSm90MLA(
             _get_workspace_buffer(True), num_heads=self.num_heads * self.dcp_world_size,
             page_size=self.kv_cache_spec.block_size, sm_scale=self._sm90_scale(),
@@ -271,8 +307,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             kv_lora_rank=self.mla_dims.kv_lora_rank,
             rope_dim=self.mla_dims.qk_rope_head_dim,
             max_rows=max(self._dcp_row_capacity(), rows.num_rows),
-            max_cols=rows.block_table.shape[1],
-            graph_segment_counts={c // query_len for c in sizes if c % query_len == 0})
+            max_cols=rows.block_table.shape[1], graph_segment_counts=set())
         decode.kernel_state["fa3_sm90"] = kernel
         return kernel
 
@@ -297,7 +332,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
                 self._sm90_prefix_lens(decode, query_start_loc_cpu),
                 num_rows=num_rows, page_size=kernel.page_size)
             kernel.plan_prefix_tail(plan, block_table, rows.seq_lens,
-                                    rows.block_table)
+                                    rows.block_table, for_graph=self._sm90_for_graph)
         kernel.planned_forward_id = decode.forward_id
         decode.kernel_state["sm90_planned"] = kernel
 
