@@ -33,12 +33,18 @@ TINY_MLA_CONFIG = {
 
 def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
                      block_size: int = 16, num_speculative_tokens: int = 0,
-                     max_model_len: int = 4096):
+                     max_model_len: int = 4096, max_num_seqs: int = 64,
+                     num_heads: int | None = None):
+    """``num_heads``: the model's attention heads (every rank's after DCP's
+    query gather, TP being the DCP size); TINY_MLA_CONFIG's 8 by default."""
     from vllm.config import (CacheConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig, VllmConfig)
 
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
+    hf_config = dict(TINY_MLA_CONFIG)
+    if num_heads is not None:
+        hf_config.update(num_attention_heads=num_heads, num_key_value_heads=num_heads)
+    (model_dir / "config.json").write_text(json.dumps(hf_config))
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
                         dtype="float32", max_model_len=max_model_len)
     parallel = ParallelConfig(tensor_parallel_size=dcp,
@@ -54,7 +60,7 @@ def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
                         cache_config=CacheConfig(block_size=block_size),
                         scheduler_config=SchedulerConfig(
                             max_model_len=max_model_len, is_encoder_decoder=False,
-                            max_num_batched_tokens=4096, max_num_seqs=64),
+                            max_num_batched_tokens=4096, max_num_seqs=max_num_seqs),
                         speculative_config=speculative)
     # The CPU platform forces CPU_MLA's block size 16; the GPU backends
     # under test page by ``block_size``.
@@ -109,7 +115,7 @@ def register_fake_mla_layers(vllm_config, layer_names, *, non_causal=False):
 
 
 def make_builder(builder_cls, vllm_config, *, layer_names=("model.layers.0.attn",),
-                 non_causal=False, **kwargs):
+                 non_causal=False, device="cpu", **kwargs):
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -119,7 +125,7 @@ def make_builder(builder_cls, vllm_config, *, layer_names=("model.layers.0.attn"
                             dtype=torch.float32)
     with set_current_vllm_config(vllm_config):
         return builder_cls(spec, list(layer_names), vllm_config,
-                           torch.device("cpu"), **kwargs)
+                           torch.device(device), **kwargs)
 
 
 def _offsets(query_lens) -> torch.Tensor:

@@ -1,0 +1,370 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FLASHINFER_MLA on sm90 as vLLM drives it, on the GPU.
+
+vLLM's own classes on a real sm90 device: its selector, ``VllmConfig``,
+``CommonAttentionMetadata``, its ``CudaGraphManager``'s capture shapes, and
+this project's ``FlashInferDCPMLAMetadataBuilder`` / ``FlashInferDCPMLAImpl``
+with FlashInfer's FA3 and the Triton metadata and tail kernels. W DCP ranks
+are simulated in one process (a fake DCP group, each rank its own builder
+kept across forwards and its own shard of a random paged cache); the ranks'
+``forward_mqa`` outputs, merged, must equal float32 dense attention
+(``dense_reference.full_attention``).
+
+- eager forwards: causal verify and the non-causal block, ragged batches; per
+  builder a first forward, one at the same lengths with new pages and
+  queries (FlashInfer's plan reused), one where a request filled a local
+  page, one where a request joined (planned again);
+- CUDA graphs, as Model Runner V2 captures them (``UNIFORM_BATCH``): for the
+  target verify (1 + k tokens per request) and the DSpark draft (a k-token
+  block, layers numbered after the target's, up to 2k host over-count),
+  every FULL uniform-decode shape vLLM's ``CudaGraphManager`` lists for the
+  config is captured once per rank (metadata from
+  ``build_for_cudagraph_capture`` into persistent buffers, a warm-up run,
+  then the capture of every layer's ``forward_mqa``); afterwards each
+  shape is replayed for new batches of that size (fewer real requests,
+  random lengths, new block tables and queries) after vLLM's ``build``:
+  replay must equal the eager run bitwise and the merged ranks dense
+  attention.
+
+Needs an sm90 GPU, FlashInfer and vLLM's Python (``gpu/README.md``);
+skipped otherwise. ``tests/test_flashinfer_dcp_mla.py`` runs the same
+builder on CPU with a stand-in for FA3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+    pytest.skip("needs an sm90 GPU", allow_module_level=True)
+pytest.importorskip("flashinfer.mla")
+pytest.importorskip("vllm.v1.worker.gpu.cudagraph_utils")
+
+from builder_harness import (  # noqa: E402
+    TINY_MLA_CONFIG, common_metadata, fake_dcp_group, make_builder, make_vllm_config)
+from dense_reference import (  # noqa: E402
+    KV_LORA_RANK, LATENT, ROPE_DIM, DecodeBatch, full_attention)
+from vllm_capture_shapes import full_decode_shapes  # noqa: E402
+
+from vllm.v1.attention.ops.dcp_decode import DCPLayout, merge_partials  # noqa: E402
+from vllm.v1.attention.ops.dcp_simulated_ranks import (  # noqa: E402
+    random_paged_kv, shard_paged_kv)
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda")
+NUM_HEADS = 16  # every rank's heads after DCP's query gather
+NUM_SPEC = 4
+BLOCK_SIZE = 64
+NUM_LAYERS = 2
+MAX_NUM_SEQS = 16
+MAX_LEN = 1200  # global tokens a request slot's pages can hold
+SCALE = 0.0721
+TARGET_LAYERS = TINY_MLA_CONFIG["num_hidden_layers"]
+
+
+def _module():
+    from vllm.v1.attention.backends.mla import flashinfer_dcp_mla
+
+    return flashinfer_dcp_mla
+
+
+def _make_impl(module):
+    return module.FlashInferDCPMLAImpl(
+        num_heads=NUM_HEADS, head_size=LATENT, scale=SCALE, num_kv_heads=1,
+        alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
+        logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+        q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128,
+        qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM, v_head_dim=128,
+        kv_b_proj=None)
+
+
+def _layer():
+    return SimpleNamespace(_q_scale_float=1.0, _k_scale_float=1.0,
+                           dcp_manager=SimpleNamespace(combine=mock.Mock()))
+
+
+class SimulatedRanks:
+    """W ranks of one KV-cache group: builders, impls, sharded caches and the
+    persistent input buffers a model runner keeps (block table, lengths,
+    query offsets, queries), all on the GPU."""
+
+    def __init__(self, tmp_path, *, world, interleave, draft, seed):
+        self.world, self.interleave, self.draft = world, interleave, draft
+        self.causal = not draft
+        self.query_len = NUM_SPEC if draft else 1 + NUM_SPEC
+        self.config = make_vllm_config(
+            tmp_path / "model", dcp=world, interleave=interleave,
+            block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC,
+            max_num_seqs=MAX_NUM_SEQS, num_heads=NUM_HEADS)
+        self.config.model_config.dtype = torch.bfloat16
+        self.shapes = full_decode_shapes(self.config, self.query_len)
+        # As DFlashSpeculator.attn_vllm_config gives the draft's builders.
+        self.config.attention_config.use_non_causal = draft
+        first = TARGET_LAYERS if draft else 0
+        self.layer_names = [f"model.layers.{first + i}.self_attn.attn"
+                            for i in range(NUM_LAYERS)]
+        # Request slots of MAX_LEN tokens; every layer pages them alike (one
+        # KV-cache group), with its own contents, rounded to bf16.
+        gen = torch.Generator().manual_seed(seed)
+        paged = [random_paged_kv([MAX_LEN] * MAX_NUM_SEQS, BLOCK_SIZE,
+                                 generator=gen, width=LATENT)
+                 for _ in range(NUM_LAYERS)]
+        self.slot_table = paged[0].block_table
+        caches = [p.kv_cache.bfloat16().float() for p in paged]
+        layout = DCPLayout(world, interleave=interleave)
+        full = torch.tensor([MAX_LEN] * MAX_NUM_SEQS, dtype=torch.int32)
+        shards = [shard_paged_kv(cache, self.slot_table, full, layout=layout,
+                                 generator=torch.Generator().manual_seed(7))
+                  for cache in caches]
+        self.ranks = []
+        for rank in range(world):
+            with self.rank_context(rank):
+                builder = make_builder(_module().FlashInferDCPMLAMetadataBuilder,
+                                       self.config, layer_names=self.layer_names,
+                                       non_causal=draft, device=DEVICE)
+                impl = _make_impl(_module())
+            width = builder._dcp_rows.block_table.shape[1]
+            local_table = shards[0][rank][1]
+            table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
+            table[:, :local_table.shape[1]] = local_table
+            self.ranks.append(SimpleNamespace(
+                builder=builder, impl=impl, local_table=table,
+                caches=[shards[i][rank][0].bfloat16().to(DEVICE)
+                        for i in range(NUM_LAYERS)],
+                table=torch.zeros_like(table, device=DEVICE),
+                seq_lens=torch.zeros(MAX_NUM_SEQS, dtype=torch.int32, device=DEVICE),
+                qsl=torch.zeros(MAX_NUM_SEQS + 1, dtype=torch.int32, device=DEVICE)))
+        # The builders read the group's softmax scale off the layers' impls.
+        context = self.config.compilation_config.static_forward_context
+        for name in self.layer_names:
+            context[name].impl = self.ranks[0].impl
+        max_tokens = builder._dcp_rows.num_rows
+        self.q = [torch.zeros(max_tokens, NUM_HEADS, LATENT, dtype=torch.bfloat16,
+                              device=DEVICE) for _ in range(NUM_LAYERS)]
+        self.dense_caches = [cache.to(DEVICE) for cache in caches]
+
+    @contextlib.contextmanager
+    def rank_context(self, rank):
+        from vllm.config import set_current_vllm_config
+
+        with fake_dcp_group(self.world, rank), set_current_vllm_config(self.config):
+            yield
+
+    def common(self, rank, batch):
+        """vLLM's metadata of ``batch`` on ``rank``, over the persistent
+        buffers (written here, as the model runner writes its own)."""
+        state = self.ranks[rank]
+        num_reqs = len(batch.seq_lens)
+        state.table[:num_reqs].copy_(state.local_table[batch.slots])
+        state.seq_lens[:num_reqs].copy_(torch.tensor(batch.seq_lens))
+        common = common_metadata(batch.seq_lens, batch.query_lens,
+                                 state.table[:num_reqs], world_size=self.world,
+                                 rank=rank, interleave=self.interleave,
+                                 causal=self.causal)
+        state.qsl[:num_reqs + 1].copy_(common.query_start_loc)
+        common.query_start_loc = state.qsl[:num_reqs + 1]
+        common.seq_lens = state.seq_lens[:num_reqs]
+        common.dcp_local_seq_lens = common.dcp_local_seq_lens.to(DEVICE)
+        common.slot_mapping = common.slot_mapping.to(DEVICE)
+        common.num_actual_tokens = batch.num_tokens
+        common.max_query_len = max(max(batch.query_lens), 1)
+        common.seq_lens_cpu_upper_bound = torch.tensor(
+            [n + over if n else 0 for n, over in zip(batch.seq_lens, batch.overcount)],
+            dtype=torch.int32)
+        return common
+
+    def set_queries(self, batch):
+        for q, layer_q in zip(self.q, batch.q):
+            q[:batch.num_tokens].copy_(layer_q)
+
+    def forward(self, rank, metadata, num_tokens):
+        """Every layer's ``forward_mqa``: [(out, lse)] per layer."""
+        state = self.ranks[rank]
+        return [state.impl.forward_mqa(q[:num_tokens], cache, metadata, _layer())
+                for q, cache in zip(self.q, state.caches)]
+
+    def dense(self, batch):
+        """Per layer, float32 dense attention of the batch's real tokens."""
+        refs = []
+        for cache, q in zip(self.dense_caches, batch.q):
+            real = sum(batch.query_lens)
+            dense_batch = DecodeBatch(
+                kv_cache=cache,
+                block_table=self.slot_table[batch.slots].to(DEVICE),
+                seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32),
+                query_start_loc=torch.tensor(
+                    [0] + list(_cumsum(batch.query_lens)), dtype=torch.int32),
+                q=q[:real].float().to(DEVICE), scale=SCALE)
+            refs.append(full_attention(dense_batch, causal=self.causal))
+        return refs
+
+
+def _cumsum(values):
+    total = 0
+    for value in values:
+        total += value
+        yield total
+
+
+def make_batch(sim, rng, *, num_reqs, num_tokens, query_lens=None, seq_lens=None,
+               overcount=None, slots=None, dummy=False):
+    """A decode batch padded to ``num_reqs`` requests / ``num_tokens`` rows.
+
+    ``dummy``: vLLM's capture batch (every request ``query_len`` tokens of
+    ``query_len`` length, as ``InputBatch.make_dummy``); otherwise real
+    requests of random lengths (some below W x I) and host over-counts up
+    to what vLLM hands over (k for the target, 2k for the draft)."""
+    q_len = sim.query_len
+    if dummy:
+        query_lens, seq_lens = [q_len] * num_reqs, [q_len] * num_reqs
+        overcount = [0] * num_reqs
+    else:
+        if query_lens is None:
+            real = rng.randint(max(1, num_reqs // 2), num_reqs)
+            query_lens = [q_len] * real + [0] * (num_reqs - real)
+        if seq_lens is None:
+            short = sim.world * sim.interleave
+            seq_lens = [0 if not n else
+                        (rng.randint(n, max(n, short)) if rng.random() < 0.3
+                         else rng.randint(n, MAX_LEN - 2 * NUM_SPEC)) for n in query_lens]
+        if overcount is None:
+            most = 2 * NUM_SPEC if sim.draft else NUM_SPEC
+            overcount = [rng.choice([0, most, rng.randint(0, most)]) for _ in query_lens]
+    if slots is None:
+        slots = rng.sample(range(MAX_NUM_SEQS), num_reqs)
+    gen = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
+    q = [torch.randn(num_tokens, NUM_HEADS, LATENT, generator=gen).bfloat16().to(DEVICE)
+         for _ in range(NUM_LAYERS)]
+    return SimpleNamespace(query_lens=list(query_lens), seq_lens=list(seq_lens),
+                           overcount=list(overcount), slots=list(slots), q=q,
+                           num_tokens=num_tokens)
+
+
+def check_merged(sim, batch, per_rank):
+    """The ranks' partials of every layer, merged, against dense attention."""
+    real = sum(batch.query_lens)
+    for layer, (ref_out, ref_lse) in enumerate(sim.dense(batch)):
+        outs = torch.stack([r[layer][0][:real].float() for r in per_rank])
+        lses = torch.stack([r[layer][1][:real] for r in per_rank])
+        out, lse = merge_partials(outs, lses)
+        torch.testing.assert_close(out, ref_out.to(out.device), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse.to(lse.device), atol=1e-3, rtol=1e-4)
+        assert all(bool((r[layer][0][real:batch.num_tokens] == 0).all())
+                   for r in per_rank), "padding rows must be 0"
+
+
+def test_selector_picks_the_dcp_backend_for_the_draft_on_sm90(tmp_path):
+    """vLLM's selector on this sm90 GPU at -dcp 2: the non-causal DSpark
+    block gets this project's FLASHINFER_MLA (no upstream Hopper backend
+    serves it under DCP)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.selector import get_attn_backend
+
+    assert current_platform.get_device_capability().major == 9
+    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
+                              num_speculative_tokens=NUM_SPEC)
+    config.attention_config.use_non_causal = True
+    with set_current_vllm_config(config):
+        backend = get_attn_backend(LATENT, torch.bfloat16, "auto", use_mla=True,
+                                   num_heads=NUM_HEADS)
+    assert backend is _module().FlashInferDCPMLABackend
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16), (8, 1)])
+@pytest.mark.parametrize("draft", [False, True], ids=["verify", "draft"])
+def test_eager_forwards_merge_to_dense(tmp_path, world, interleave, draft):
+    sim = SimulatedRanks(tmp_path, world=world, interleave=interleave, draft=draft,
+                         seed=world)
+    rng = random.Random(world * 10 + draft)
+    q_len = sim.query_len
+    query_lens = ([q_len] * 5 if draft else [5, 1, 3, 2, 4])
+    seq_lens = [rng.randint(400, 600), rng.randint(1, 8), rng.randint(200, 500),
+                world * interleave - 1, rng.randint(50, 120)]
+    seq_lens = [max(n, q) for n, q in zip(seq_lens, query_lens)]
+    overcount = [2 * NUM_SPEC if draft else NUM_SPEC] * 5
+    slots = rng.sample(range(MAX_NUM_SEQS), 6)
+    # One more local page on every rank.
+    grown = [n + BLOCK_SIZE * world if i == 0 else n
+             for i, n in enumerate(seq_lens)]
+    steps = [  # (query lens, seq lens, slots, FA3 plans expected on each rank)
+        (query_lens, seq_lens, slots[:5], 1),
+        (query_lens, seq_lens, slots[1:6], 0),  # new pages, same schedule
+        (query_lens, grown, slots[:5], 1),  # request 0 filled a local page
+        (query_lens + [q_len], grown + [300], slots, 1),  # a request joined
+    ]
+    for query_lens_i, seq_lens_i, slots_i, expected_plans in steps:
+        batch = make_batch(sim, rng, num_reqs=len(query_lens_i),
+                           num_tokens=sum(query_lens_i), query_lens=query_lens_i,
+                           seq_lens=seq_lens_i, overcount=overcount[:1] * len(seq_lens_i),
+                           slots=slots_i)
+        sim.set_queries(batch)
+        per_rank = []
+        for rank, state in enumerate(sim.ranks):
+            with sim.rank_context(rank):
+                kernel = state.builder._dcp_kernel_state.get("fa3_sm90")
+                before = kernel.fa3_plans if kernel is not None else 0
+                metadata = state.builder.build(0, sim.common(rank, batch))
+                per_rank.append(sim.forward(rank, metadata, batch.num_tokens))
+                kernel = metadata.decode.kernel_state["sm90_planned"]
+                assert type(kernel).__name__ == "FlashInferSm90MLA"
+                assert kernel.fa3_plans - before == expected_plans, (rank, seq_lens_i)
+        check_merged(sim, batch, per_rank)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16), (8, 1)])
+@pytest.mark.parametrize("draft", [False, True], ids=["verify", "draft"])
+def test_graphs_at_every_shape_vllm_captures(tmp_path, world, interleave, draft):
+    sim = SimulatedRanks(tmp_path, world=world, interleave=interleave, draft=draft,
+                         seed=100 + world)
+    rng = random.Random(world * 100 + draft)
+    pool = torch.cuda.graph_pool_handle()
+    captured = {}  # (rank, num_tokens) -> (graph, outputs)
+    # Capture: every shape on every rank, as vLLM does before serving.
+    for num_tokens, num_reqs in sim.shapes:
+        dummy = make_batch(sim, rng, num_reqs=num_reqs, num_tokens=num_tokens,
+                           dummy=True, slots=list(range(num_reqs)))
+        sim.set_queries(dummy)
+        for rank, state in enumerate(sim.ranks):
+            with sim.rank_context(rank):
+                for warmup in (True, False):
+                    metadata = state.builder.build_for_cudagraph_capture(
+                        sim.common(rank, dummy))
+                    if warmup:
+                        sim.forward(rank, metadata, num_tokens)
+                        torch.cuda.synchronize()
+                        continue
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        outputs = sim.forward(rank, metadata, num_tokens)
+                    captured[rank, num_tokens] = (graph, outputs)
+    # Serve: each shape replayed for new batches of its size.
+    order = [shape for shape in sim.shapes for _ in range(2)]
+    rng.shuffle(order)
+    for num_tokens, num_reqs in order:
+        batch = make_batch(sim, rng, num_reqs=num_reqs, num_tokens=num_tokens)
+        sim.set_queries(batch)
+        per_rank = []
+        for rank, state in enumerate(sim.ranks):
+            with sim.rank_context(rank):
+                metadata = state.builder.build(0, sim.common(rank, batch))
+                graph, outputs = captured[rank, num_tokens]
+                for out, lse in outputs:
+                    out.fill_(float("nan"))
+                    lse.fill_(float("nan"))
+                graph.replay()
+                replayed = [(out.clone(), lse.clone()) for out, lse in outputs]
+                eager = sim.forward(rank, metadata, num_tokens)
+            for (g_out, g_lse), (e_out, e_lse) in zip(replayed, eager):
+                assert torch.equal(g_out, e_out), (rank, num_tokens, num_reqs)
+                assert torch.equal(g_lse.isinf(), e_lse.isinf())
+                torch.testing.assert_close(g_lse, e_lse, atol=1e-5, rtol=0)
+            per_rank.append(replayed)
+        check_merged(sim, batch, per_rank)
