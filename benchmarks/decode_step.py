@@ -210,13 +210,19 @@ def point(setup, ws, args):
                                        max_rows=setup.rows,
                                        max_cols=setup.table.shape[1], **tail)
 
-            def plan(seq, kernel=kernel, whole_pages=path != "fa3-exact"):
+            def plan(seq, kernel=kernel, exact=path == "fa3-exact"):
                 flat = setup.build_rows(seq)
+                layout = DCPLayout(setup.world)
+                if not exact:  # the backend's plan
+                    kernel.plan_rows(setup.qsl, seq, setup.table, flat,
+                                     num_rows=setup.rows, causal=True,
+                                     slack=setup.q_len - 1, layout=layout)
+                    return
+                # Exact prefixes, not whole pages: what whole-page tails cost.
                 prefix = host_prefix_lens(seq, setup.qsl, causal=True,
-                                          slack=setup.q_len - 1,
-                                          layout=DCPLayout(setup.world))
+                                          slack=setup.q_len - 1, layout=layout)
                 host = plan_prefix_tail_host(setup.qsl, prefix, num_rows=setup.rows,
-                                             page_size=PAGE, whole_pages=whole_pages)
+                                             page_size=PAGE, whole_pages=False)
                 kernel.plan_prefix_tail(host, setup.table, flat.seq_lens,
                                         flat.block_table)
             splits = 0

@@ -29,8 +29,7 @@ import torch
 from benchmarks._common import cuda_event_median_ms, write_csv
 from benchmarks.fa3_native import NativeFA3MLA
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, alloc_flat_decode
-from vllm.v1.attention.ops.flashinfer_sm90_mla import (
-    FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
+from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
 from vllm.v1.attention.ops.triton_mla_split_kv import TritonMLASplitKV
 
@@ -107,11 +106,9 @@ def fa3(point, ws):
 
 def fa3_plan(kernel, point):
     """The backend's per-forward FA3 plan, from host lengths."""
-    prefix = host_prefix_lens(point.seq, point.qsl, causal=True, slack=Q_LEN - 1,
-                              layout=point.layout)
-    kernel.plan_prefix_tail(
-        plan_prefix_tail_host(point.qsl, prefix, num_rows=point.rows, page_size=PAGE),
-        point.table, point.flat.seq_lens, point.flat.block_table)
+    kernel.plan_rows(point.qsl, point.seq, point.table, point.flat,
+                     num_rows=point.rows, causal=True, slack=Q_LEN - 1,
+                     layout=point.layout)
 
 
 def fa3_kernels(kernel, point):

@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Device check: sm90 paths planned outside the graph, layers replayed in one graph.
 
-Mirrors what ``FlashInferDCPMLAMetadataBuilder`` (sm90) and
-``FlashInferDCPMLAImpl._decode_rows_sm90`` do, through the same ops calls (the
-GPU host has no vLLM): per forward, the rows go into persistent buffers
+The kernel objects of ``FlashInferDCPMLAMetadataBuilder`` (sm90), driven
+through their own plan calls without vLLM (``tests/gpu/
+test_sm90_vllm_backend.py`` drives the builder itself, with vLLM's Python
+carried to the device): per forward, the rows go into persistent buffers
 (``build_flat_decode_triton``), then one of the two paths plans once:
 
-- fa3: the prefix bounds come from host data (``host_prefix_lens``, with the
-  async-spec slack: the host lengths given are upper bounds, exceeding the
-  exact ones by up to ``slack``), and ``plan_prefix_tail_host`` +
-  ``FlashInferSm90MLA.plan_prefix_tail`` plan; every one of L layers calls
+- fa3: ``FlashInferSm90MLA.plan_rows``, the builder's own plan call, from
+  host data (the host lengths given are upper bounds, exceeding the exact
+  ones by up to ``slack``); every one of L layers calls
   ``FlashInferSm90MLA.run`` on its own q and KV;
 - split: ``TritonMLASplitKV.plan`` over the persistent rows (split count from
   the row count and ``--split-max-model-len`` only), each request's q_len
@@ -39,8 +39,7 @@ from vllm.v1.attention.ops.dcp_decode import (
     DCPLayout, alloc_flat_decode, build_flat_decode, merge_partials,
     mla_decode_reference)
 from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv
-from vllm.v1.attention.ops.flashinfer_sm90_mla import (
-    FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
+from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
 from vllm.v1.attention.ops.triton_mla_split_kv import TritonMLASplitKV
 
@@ -131,14 +130,11 @@ def run_config(heads, world, inter, causal, args, dev, path="fa3"):
                 rows_per_program=q_len if path == "split" else 1,
                 row_to_req=flat.row_to_req)
             return
-        prefix = host_prefix_lens(host_lens, qsl, causal=causal, slack=slack,
-                                  layout=DCPLayout(world, r, inter))
-        host_plan = plan_prefix_tail_host(qsl, prefix, num_rows=rows, page_size=page)
-        req_table = rank_state["table"]
         if args.plant_plain_wrapper:  # FlashInfer's non-graph wrapper: a new
             rank_state["kernel"]._graph_segment_counts = set()  # workspace per plan
-        rank_state["kernel"].plan_prefix_tail(host_plan, req_table, flat.seq_lens,
-                                              flat.block_table)
+        rank_state["kernel"].plan_rows(qsl, host_lens, rank_state["table"], flat,
+                                       num_rows=rows, causal=causal, slack=slack,
+                                       layout=DCPLayout(world, r, inter))
 
     def layers_run(state, outs=None):
         res = []

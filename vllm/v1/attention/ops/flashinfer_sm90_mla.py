@@ -384,6 +384,41 @@ class FlashInferSm90MLA:
         return wrapper
 
     # ---------------------------------------------------------------- plans
+    def plan_rows(
+        self,
+        query_start_loc: torch.Tensor,
+        host_seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        rows,
+        *,
+        num_rows: int,
+        causal: bool,
+        slack: int,
+        layout: DCPLayout,
+        for_graph: bool = False,
+    ) -> None:
+        """The backend's per-forward plan, from host data: each request's
+        prefix (``host_prefix_lens``, ``slack`` below vLLM's host lengths),
+        its whole-page segments (``plan_prefix_tail_host``), then
+        ``plan_prefix_tail``.
+
+        Args:
+            query_start_loc: int CPU [R + 1], the decode requests' query
+                offsets (equal to the device's).
+            host_seq_lens: int CPU [>= R], vLLM's host global lengths, an
+                upper bound of the device's by at most ``slack``.
+            block_table: int32 [R, B] local block table of the requests.
+            rows: the forward's ``FlatDecode`` (``seq_lens``, ``block_table``
+                of every row, on the device).
+            num_rows: T, query rows the layers run (padding included).
+        """
+        prefix = host_prefix_lens(host_seq_lens, query_start_loc, causal=causal,
+                                  slack=slack, layout=layout)
+        plan = plan_prefix_tail_host(query_start_loc, prefix, num_rows=num_rows,
+                                     page_size=self.page_size)
+        self.plan_prefix_tail(plan, block_table, rows.seq_lens, rows.block_table,
+                              for_graph=for_graph)
+
     def plan_prefix_tail(
         self,
         plan: PrefixTailPlan,

@@ -195,20 +195,6 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
                             num_decode_tokens)
         return decode
 
-    def _sm90_prefix_lens(self, decode: DCPDecodeMetadata,
-                          query_start_loc_cpu: torch.Tensor) -> torch.Tensor:
-        """int64 CPU [R]: local KV tokens every query token of each decode
-        request sees on this rank, from vLLM's host lengths (an upper bound,
-        by at most the draft tokens, under async speculative decoding)."""
-        from vllm.v1.attention.ops.flashinfer_sm90_mla import host_prefix_lens
-
-        host = self._host_seq_lens
-        if host is None:  # vLLM kept no host copy: read the device's (a sync)
-            host = decode.dcp_tot_seq_lens.cpu()
-        return host_prefix_lens(
-            host, query_start_loc_cpu, causal=decode.causal,
-            slack=self._sm90_host_slack, layout=decode.layout)
-
     def _host_length_slack(self) -> int:
         """Most that vLLM's host lengths exceed the device's for this group.
 
@@ -317,8 +303,6 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         (no device-to-host sync here): split-KV over the rows where
         ``split_kv_preferred`` picks it, else FA3 prefix segments + Triton
         tails."""
-        from vllm.v1.attention.ops import flashinfer_sm90_mla as fa3
-
         rows = decode.flat.slice(num_rows)
         if self._sm90_uses_split_kv(decode, num_rows):
             kernel = self._sm90_split_kernel(decode)
@@ -327,12 +311,13 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
                         row_to_req=rows.row_to_req)
         else:
             kernel = self._sm90_kernel(decode)
-            plan = fa3.plan_prefix_tail_host(
-                query_start_loc_cpu,
-                self._sm90_prefix_lens(decode, query_start_loc_cpu),
-                num_rows=num_rows, page_size=kernel.page_size)
-            kernel.plan_prefix_tail(plan, block_table, rows.seq_lens,
-                                    rows.block_table, for_graph=self._sm90_for_graph)
+            host = self._host_seq_lens
+            if host is None:  # vLLM kept no host copy: read the device's (a sync)
+                host = decode.dcp_tot_seq_lens.cpu()
+            kernel.plan_rows(query_start_loc_cpu, host, block_table, rows,
+                             num_rows=num_rows, causal=decode.causal,
+                             slack=self._sm90_host_slack, layout=decode.layout,
+                             for_graph=self._sm90_for_graph)
         kernel.planned_forward_id = decode.forward_id
         decode.kernel_state["sm90_planned"] = kernel
 
