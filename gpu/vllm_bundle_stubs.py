@@ -73,6 +73,15 @@ TORCH_OPS: dict[str, tuple[str, ...]] = {
            "rms_norm_dynamic_per_token_quant", "silu_and_mul_quant",
            "silu_and_mul_per_block_quant", "fused_qk_norm_rope"),
 }
+# torch.ops._C capability probes vLLM calls at import time (e.g.
+# quantization/utils/w8a8_utils.py: CUTLASS_BLOCK_FP8_SUPPORTED, on the
+# import path of vllm.v1.worker.gpu and of the model registry's inspection):
+# defined to answer False, which is the truth here (no CUTLASS kernel is
+# carried), so vLLM takes its non-CUTLASS branches.
+TORCH_CAPABILITY_PROBES: dict[str, tuple[str, ...]] = {
+    "_C": ("cutlass_scaled_mm_supports_fp4", "cutlass_scaled_mm_supports_fp8",
+           "cutlass_scaled_mm_supports_block_fp8", "cutlass_group_gemm_supported"),
+}
 TORCH_OPS_STUB = "vllm._C_stable_libtorch"
 
 
@@ -143,8 +152,26 @@ def _define_placeholder_ops(ops):
             lib.impl(op, impl, "CompositeExplicitAutograd")
 
 
+def _define_capability_probes(probes):
+    import torch
+
+    for namespace, names in probes.items():
+        lib = torch.library.Library(namespace, "FRAGMENT")
+        _LIBS.append(lib)
+        for op in names:
+            if hasattr(getattr(torch.ops, namespace), op):
+                continue
+
+            def impl(cuda_device_capability):
+                return False
+
+            lib.define(f"{{op}}(int cuda_device_capability) -> bool")
+            lib.impl(op, impl, "CompositeExplicitAutograd")
+
+
 _LIBS = []
 _define_placeholder_ops({ops!r})
+_define_capability_probes({probes!r})
 '''
 
 
@@ -197,7 +224,8 @@ def stub_source(module: str) -> str:
     reason, names = STUBS[module]
     source = STUB_SOURCE.format(module=module, reason=reason, names=tuple(names))
     if module == TORCH_OPS_STUB:
-        source += TORCH_OPS_SOURCE.format(ops=TORCH_OPS)
+        source += TORCH_OPS_SOURCE.format(ops=TORCH_OPS,
+                                          probes=TORCH_CAPABILITY_PROBES)
     return source
 
 

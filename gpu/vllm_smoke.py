@@ -60,7 +60,7 @@ def step(fn):
 def config(dcp: int):
     from builder_harness import make_vllm_config
 
-    cfg = make_vllm_config(TMP / f"m{dcp}", dcp=dcp, block_size=PAGE,
+    cfg = make_vllm_config(TMP / f"m{dcp}", dcp=dcp, block_size=PAGE, executor="mp",
                            num_speculative_tokens=3)
     cfg.model_config.dtype = torch.bfloat16
     return cfg

@@ -34,9 +34,12 @@ TINY_MLA_CONFIG = {
 def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
                      block_size: int = 16, num_speculative_tokens: int = 0,
                      max_model_len: int = 4096, max_num_seqs: int = 64,
-                     num_heads: int | None = None):
+                     num_heads: int | None = None, executor: str | None = None):
     """``num_heads``: the model's attention heads (every rank's after DCP's
-    query gather, TP being the DCP size); TINY_MLA_CONFIG's 8 by default."""
+    query gather, TP being the DCP size); TINY_MLA_CONFIG's 8 by default.
+    ``executor``: ``--distributed-executor-backend``; on a CUDA host with
+    fewer GPUs than ranks (simulated ranks on one GPU) vLLM refuses a world
+    size it would pick "mp" for by itself, not an explicit "mp"."""
     from vllm.config import (CacheConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, SpeculativeConfig, VllmConfig)
 
@@ -49,7 +52,8 @@ def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
                         dtype="float32", max_model_len=max_model_len)
     parallel = ParallelConfig(tensor_parallel_size=dcp,
                               decode_context_parallel_size=dcp,
-                              cp_kv_cache_interleave_size=interleave)
+                              cp_kv_cache_interleave_size=interleave,
+                              distributed_executor_backend=executor)
     speculative = None
     if num_speculative_tokens:
         speculative = SpeculativeConfig(

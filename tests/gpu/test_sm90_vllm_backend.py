@@ -102,7 +102,7 @@ class SimulatedRanks:
         self.config = make_vllm_config(
             tmp_path / "model", dcp=world, interleave=interleave,
             block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC,
-            max_num_seqs=MAX_NUM_SEQS, num_heads=NUM_HEADS)
+            max_num_seqs=MAX_NUM_SEQS, num_heads=NUM_HEADS, executor="mp")
         self.config.model_config.dtype = torch.bfloat16
         self.shapes = full_decode_shapes(self.config, self.query_len)
         # As DFlashSpeculator.attn_vllm_config gives the draft's builders.
@@ -270,7 +270,7 @@ def test_selector_picks_the_dcp_backend_for_the_draft_on_sm90(tmp_path):
 
     assert current_platform.get_device_capability().major == 9
     config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
-                              num_speculative_tokens=NUM_SPEC)
+                              num_speculative_tokens=NUM_SPEC, executor="mp")
     config.attention_config.use_non_causal = True
     with set_current_vllm_config(config):
         backend = get_attn_backend(LATENT, torch.bfloat16, "auto", use_mla=True,
