@@ -42,6 +42,37 @@ def default_block_size(backend: str) -> int:
     return default if default in sizes else min(sizes)
 
 
+def backend_block_size(backend: str, block_size: int | None) -> int:
+    """The block size vLLM pages ``backend`` with, from the ``block_size``
+    its selector passes (``--block-size`` if given, else None: the config
+    then still holds CacheConfig's provisional default, and a worker later
+    gives the backend ``default_block_size``)."""
+    return default_block_size(backend) if block_size is None else block_size
+
+
+def decode_query_len(vllm_config, draft: bool) -> int:
+    """Query tokens per request in one decode step of the target (its
+    verification: 1 + k) or of the draft (``draft``): vLLM's MRV2 DSpark
+    drafter runs k when its block samples from the anchor (the
+    checkpoint's ``sample_from_anchor``, default on), else 1 + k
+    (``DSparkSpeculator.num_query_per_req``)."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return 1
+    k = spec.num_speculative_tokens or 0
+    if draft and spec.method == "dspark" and getattr(
+            spec.draft_model_config.hf_config, "sample_from_anchor", True):
+        return k
+    return 1 + k
+
+
+def is_draft_group(vllm_config, layer_names) -> bool:
+    """Whether a builder's layers decode a DSpark draft's non-causal block."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    return any(getattr(ctx.get(name), "non_causal_multi_token_decode", False)
+               for name in layer_names)
+
+
 @dataclass(frozen=True)
 class DCPSetting:
     """What the checks read from a ``VllmConfig`` (and the GPU)."""
@@ -52,14 +83,17 @@ class DCPSetting:
     interleave: int
     block_size: int
     kv_cache_dtype: str
-    max_decode_query_len: int  # 1 + speculative tokens (draft block size)
+    num_speculative_tokens: int
+    max_decode_query_len: int  # of the model checked (``decode_query_len``)
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
 
     @classmethod
-    def from_vllm_config(cls, vllm_config, gpu_major: int | None) -> "DCPSetting":
+    def from_vllm_config(cls, vllm_config, gpu_major: int | None, *,
+                         draft: bool = False) -> "DCPSetting":
+        """The setting of the target's layers, or of the draft's (``draft``)."""
         parallel = vllm_config.parallel_config
         hf = vllm_config.model_config.hf_text_config
         spec = vllm_config.speculative_config
@@ -71,7 +105,8 @@ class DCPSetting:
             interleave=parallel.cp_kv_cache_interleave_size,
             block_size=vllm_config.cache_config.block_size,
             kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
-            max_decode_query_len=1 + num_spec,
+            num_speculative_tokens=num_spec,
+            max_decode_query_len=decode_query_len(vllm_config, draft),
             kv_lora_rank=getattr(hf, "kv_lora_rank", 0) or 0,
             qk_nope_head_dim=getattr(hf, "qk_nope_head_dim", 0) or 0,
             qk_rope_head_dim=getattr(hf, "qk_rope_head_dim", 0) or 0,
@@ -161,12 +196,13 @@ def tokenspeed_problems(s: DCPSetting) -> list[str]:
         problems.append(
             f"TOKENSPEED_MLA reads an fp8 KV cache only, not {s.kv_cache_dtype}: "
             "use --kv-cache-dtype fp8.")
-    if s.max_decode_query_len > TOKENSPEED_MAX_QUERY_LEN:
+    excess = s.max_decode_query_len - TOKENSPEED_MAX_QUERY_LEN
+    if excess > 0:
         problems.append(
             f"TOKENSPEED_MLA decodes at most {TOKENSPEED_MAX_QUERY_LEN} query "
             f"tokens per request, this setting needs {s.max_decode_query_len}: "
             "set num_speculative_tokens <= "
-            f"{TOKENSPEED_MAX_QUERY_LEN - 1} in --speculative-config.")
+            f"{s.num_speculative_tokens - excess} in --speculative-config.")
     dims = (s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim)
     if dims != TOKENSPEED_HEAD_DIMS or s.kv_lora_rank != KV_LORA_RANK:
         problems.append(

@@ -420,8 +420,12 @@ class FlashInferDCPMLABackend(FlashInferMLABackend):
 
         vllm_config = get_current_vllm_config()
         if vllm_config.model_config is not None and _current_dcp_size() > 1:
-            setting = checks.DCPSetting.from_vllm_config(
-                vllm_config, device_capability.major)
+            # The config's block size is still provisional during selection.
+            setting = dataclasses.replace(
+                checks.DCPSetting.from_vllm_config(vllm_config,
+                                                   device_capability.major),
+                block_size=checks.backend_block_size(checks.FLASHINFER_MLA,
+                                                     block_size))
             problems = checks.flashinfer_problems(setting)
             if problems:
                 return problems[0]
