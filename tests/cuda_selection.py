@@ -112,10 +112,13 @@ def plugin_registered(registered: bool):
 
 
 def select_mla_backend(vllm_config, major: int, *, non_causal: bool,
-                       kv_cache_dtype: str = "auto", num_heads: int = 16):
+                       kv_cache_dtype: str = "auto", num_heads: int = 16,
+                       layer_kv_cache_dtype: str | None = None):
     """vLLM's ``get_attn_backend`` for an MLA layer of ``vllm_config`` (the
     target's, or a DSpark draft's when ``non_causal``) on an sm``major``0 GPU.
 
+    ``kv_cache_dtype``: ``--kv-cache-dtype``; ``layer_kv_cache_dtype``: the
+    layer's own, where ``--kv-cache-dtype-skip-layers`` names it ("auto").
     Returns the backend class, or the ``ValueError`` vLLM raised.
     """
     from vllm.config import set_current_vllm_config
@@ -128,7 +131,8 @@ def select_mla_backend(vllm_config, major: int, *, non_causal: bool,
     attention.use_non_causal, cache.cache_dtype = non_causal, kv_cache_dtype
     try:
         with as_cuda_gpu(major), set_current_vllm_config(vllm_config):
-            return get_attn_backend(576, torch.bfloat16, kv_cache_dtype,
+            return get_attn_backend(576, torch.bfloat16,
+                                    layer_kv_cache_dtype or kv_cache_dtype,
                                     use_mla=True, num_heads=num_heads)
     except ValueError as error:
         return error
@@ -136,14 +140,15 @@ def select_mla_backend(vllm_config, major: int, *, non_causal: bool,
         attention.use_non_causal, cache.cache_dtype = saved
 
 
-def engine_config(model_dir, *, tp=2, dcp=2, max_model_len=4096, **flags):
+def engine_config(model_dir, *, tp=2, dcp=2, max_model_len=4096, dtype="float32",
+                  **flags):
     """vLLM's ``EngineArgs(...).create_engine_config()``, as ``vllm serve``
     builds its config (the plugin's start-up checks run in it)."""
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(model=str(model_dir), skip_tokenizer_init=True,
                       tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                      max_model_len=max_model_len, dtype="float32",
+                      max_model_len=max_model_len, dtype=dtype,
                       **flags).create_engine_config()
 
 

@@ -66,6 +66,31 @@ def decode_query_len(vllm_config, draft: bool) -> int:
     return 1 + k
 
 
+def draft_layer_indices(vllm_config) -> range:
+    """The draft model's layer indices in vLLM's layer names: vLLM's draft
+    models (Kimi-K3's DSpark draft among them) number their layers on from
+    the target's (``start_layer_id`` = the target's layer count)."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.draft_model_config is None:
+        return range(0)
+    start = vllm_config.model_config.get_total_num_hidden_layers()
+    return range(start, start + spec.draft_model_config.get_total_num_hidden_layers())
+
+
+def model_kv_cache_dtype(vllm_config, draft: bool) -> str:
+    """The KV-cache dtype of the target's layers, or the draft's (``draft``):
+    ``--kv-cache-dtype``, unquantized (``auto``) where
+    ``--kv-cache-dtype-skip-layers`` names every one of them (vLLM reads it
+    per layer index in ``MLAAttention.__init__``)."""
+    cache = vllm_config.cache_config
+    skipped = set(getattr(cache, "kv_cache_dtype_skip_layers", None) or ())
+    layers = (draft_layer_indices(vllm_config) if draft else
+              range(vllm_config.model_config.get_total_num_hidden_layers()))
+    if skipped and layers and all(str(i) in skipped for i in layers):
+        return "auto"
+    return str(cache.cache_dtype)
+
+
 def is_draft_group(vllm_config, layer_names) -> bool:
     """Whether a builder's layers decode a DSpark draft's non-causal block."""
     ctx = vllm_config.compilation_config.static_forward_context
@@ -104,7 +129,7 @@ class DCPSetting:
             dcp_size=parallel.decode_context_parallel_size,
             interleave=parallel.cp_kv_cache_interleave_size,
             block_size=vllm_config.cache_config.block_size,
-            kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+            kv_cache_dtype=model_kv_cache_dtype(vllm_config, draft),
             num_speculative_tokens=num_spec,
             max_decode_query_len=decode_query_len(vllm_config, draft),
             kv_lora_rank=getattr(hf, "kv_lora_rank", 0) or 0,
@@ -170,7 +195,9 @@ def flashinfer_problems(s: DCPSetting) -> list[str]:
     if s.gpu_major == 9 and s.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         problems.append(
             f"FLASHINFER_MLA on sm90 reads a bf16/fp16 KV cache, not "
-            f"{s.kv_cache_dtype}: use --kv-cache-dtype auto.")
+            f"{s.kv_cache_dtype}: use --kv-cache-dtype auto, or keep the layers "
+            "it runs unquantized with --kv-cache-dtype-skip-layers (the DSpark "
+            "draft's: their indices follow the target's).")
     if s.qk_nope_head_dim not in FLASHINFER_QK_NOPE_HEAD_DIMS:
         problems.append(
             f"FLASHINFER_MLA needs qk_nope_head_dim in "
