@@ -400,3 +400,15 @@ def test_hopper_fp8_kv_without_the_skip_list_names_it(tmp_path):
         config.attention_config.backend = _backend_enum("FLASHINFER_MLA")
         draft = select_mla_backend(config, 9, non_causal=True, kv_cache_dtype="fp8")
     assert isinstance(draft, ValueError)
+
+
+def test_readme_hopper_fp8_recipe_is_vllms_cli():
+    """The README's Hopper fp8 recipe, as vLLM's own CLI parser reads it."""
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"# Hopper[^\n]*fp8[^\n]*\n(vllm serve .*?)\n```", text, re.S)
+    args = _engine_args(shlex.split(block.group(1))[3:])
+    assert (args.kv_cache_dtype, args.kv_cache_dtype_skip_layers) == ("fp8", ["61"])
+    assert args.decode_context_parallel_size == 8
+    assert args.speculative_config["attention_backend"] == "FLASHINFER_MLA"
