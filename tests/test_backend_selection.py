@@ -356,8 +356,12 @@ def test_hopper_fp8_kv_with_the_drafts_layers_skipped(tmp_path):
     KV-cache grouping takes the two page sizes into one group."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # 0.32
+    except ImportError:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # 0.34
 
     from cuda_selection import check_as_gpu
 
