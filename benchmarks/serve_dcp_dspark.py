@@ -56,8 +56,10 @@ from pathlib import Path
 
 # KV block size vLLM's CPU platform forces for MLA models, whatever --block-size says.
 CPU_MLA_BLOCK_SIZE = 16
-# TOKENSPEED_MLA decodes at most 8 query tokens per request.
-TOKENSPEED_MAX_NUM_SPEC = 7
+# TOKENSPEED_MLA decodes at most 8 query tokens per request: the target's
+# verification has 1 + num_spec, a DSpark draft block num_spec (vLLM's drafter
+# samples from the anchor unless the draft's config says sample_from_anchor false).
+TOKENSPEED_MAX_QUERY_LEN = 8
 
 
 def dspark_speculative_config(draft: str, num_spec: int | None,
@@ -429,6 +431,15 @@ def _extra_flag(extra: list[str], flag: str) -> str | None:
     return value
 
 
+def _draft_bonus_query(draft: str | None) -> int:
+    """1 if the DSpark draft's block holds a bonus query besides its num_spec
+    (a local config with ``sample_from_anchor`` false), else 0."""
+    config = Path(draft).expanduser() / "config.json" if draft else None
+    if config is None or not _looks_local(draft) or not config.is_file():
+        return 0
+    return int(json.loads(config.read_text()).get("sample_from_anchor", True) is False)
+
+
 def flag_problems(args: argparse.Namespace, extra: list[str]) -> list[str]:
     """Every flag vLLM would reject, found before anything starts.
 
@@ -466,15 +477,17 @@ def flag_problems(args: argparse.Namespace, extra: list[str]) -> list[str]:
                             ("--draft-attention-backend", args.draft_attention_backend)):
             if value is not None:
                 problems.append(f"{flag} needs --draft (a DSpark draft checkpoint)")
-    tokenspeed = [flag for flag, value in (
-        ("--attention-backend", args.attention_backend),
-        ("--draft-attention-backend", args.draft_attention_backend))
-        if value == "TOKENSPEED_MLA"]
-    if tokenspeed and args.num_spec is not None and args.num_spec > TOKENSPEED_MAX_NUM_SPEC:
-        problems.append(
-            f"--num-spec {args.num_spec}: TOKENSPEED_MLA ({tokenspeed[0]}) decodes "
-            f"at most {TOKENSPEED_MAX_NUM_SPEC + 1} query tokens, so --num-spec "
-            f"must be <= {TOKENSPEED_MAX_NUM_SPEC}")
+    for flag, value, extra_query in (
+            ("--attention-backend", args.attention_backend, 1),
+            ("--draft-attention-backend", args.draft_attention_backend,
+             _draft_bonus_query(args.draft))):
+        limit = TOKENSPEED_MAX_QUERY_LEN - extra_query
+        if value == "TOKENSPEED_MLA" and (args.num_spec or 0) > limit:
+            problems.append(
+                f"--num-spec {args.num_spec}: TOKENSPEED_MLA ({flag}) decodes at "
+                f"most {TOKENSPEED_MAX_QUERY_LEN} query tokens, so --num-spec must "
+                f"be <= {limit}")
+            break
     if args.cpu:
         for flag, value in (("--attention-backend", args.attention_backend),
                             ("--draft-attention-backend", args.draft_attention_backend)):

@@ -71,8 +71,9 @@ def bad_flag_cases(model_dir: str, tmp_path: Path, busy: int):
         (["--draft", model_dir, "--num-spec", "0"], "--num-spec 0 must be at least 1"),
         (["--draft", model_dir, "--num-spec", "8", "--attention-backend",
           "TOKENSPEED_MLA"], "--num-spec must be <= 7"),
-        (["--draft", model_dir, "--num-spec", "8", "--draft-attention-backend",
-          "TOKENSPEED_MLA"], "TOKENSPEED_MLA (--draft-attention-backend)"),
+        (["--draft", model_dir, "--num-spec", "9", "--draft-attention-backend",
+          "TOKENSPEED_MLA"], "TOKENSPEED_MLA (--draft-attention-backend) decodes at "
+         "most 8 query tokens, so --num-spec must be <= 8"),
         (["--cpu", "--attention-backend", "FLASHINFER_MLA"],
          "--attention-backend FLASHINFER_MLA does not run on CPU"),
         (["--cpu", "--draft", model_dir, "--draft-attention-backend", "TOKENSPEED_MLA"],
@@ -123,6 +124,9 @@ def test_bad_flag_fails_before_anything_starts(case, model, tmp_path, busy_port,
     # the block size is the server's to choose: it checks the interleave itself
     ["--tp", "2", "--dcp", "2", "--interleave", "64"],
     ["--num-spec", "7", "--attention-backend", "TOKENSPEED_MLA", "--draft", "org/draft"],
+    # a DSpark draft block is num_spec query tokens
+    ["--num-spec", "8", "--draft-attention-backend", "TOKENSPEED_MLA", "--draft",
+     "org/draft"],
     ["--then", sys.executable, "-c", "pass"],
 ])
 def test_good_flags_pass(argv, model):
