@@ -4,7 +4,8 @@
 Everything else is configured in pyproject.toml. A ``.pth`` file is the only
 way to run code in every Python process (vLLM spawns its engine core and
 workers) before vLLM imports Triton; the one shipped here does nothing unless
-``VLLM_DCP_CPU_MRV2=1`` (see vllm/v1/worker/cpu/triton_interpreter_boot.py).
+``VLLM_DCP_CPU_MRV2`` is on, and then only hooks the process's first
+``import vllm`` (see vllm/v1/worker/cpu/triton_interpreter_boot.py).
 """
 
 import os

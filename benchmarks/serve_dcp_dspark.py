@@ -26,7 +26,10 @@ replaced by the server's API root (``http://HOST:PORT/v1``), also exported
 as ``$BASE_URL``. ``--cpu`` sets the environment a CPU engine needs on a
 small machine (thread binding per TP rank, 1 GiB KV cache) and, with
 ``--draft``, ``VLLM_DCP_CPU_MRV2=1`` (DSpark on CPU: Model Runner V2 in
-Triton's interpreter).
+Triton's interpreter). ``--kv-cache-dtype fp8`` with ``--draft`` and ``--dcp``
+> 1 on a Hopper GPU keeps the draft's layers bf16
+(``--kv-cache-dtype-skip-layers``, their indices from the two configs), as
+FLASHINFER_MLA there reads bf16 only.
 
 From Python, ``with VllmServer(server_command(...)) as server:`` gives the
 same start / wait / stop around a block.
@@ -53,8 +56,10 @@ from pathlib import Path
 
 # KV block size vLLM's CPU platform forces for MLA models, whatever --block-size says.
 CPU_MLA_BLOCK_SIZE = 16
-# TOKENSPEED_MLA decodes at most 8 query tokens per request.
-TOKENSPEED_MAX_NUM_SPEC = 7
+# TOKENSPEED_MLA decodes at most 8 query tokens per request: the target's
+# verification has 1 + num_spec, a DSpark draft block num_spec (vLLM's drafter
+# samples from the anchor unless the draft's config says sample_from_anchor false).
+TOKENSPEED_MAX_QUERY_LEN = 8
 
 
 def dspark_speculative_config(draft: str, num_spec: int | None,
@@ -68,12 +73,60 @@ def dspark_speculative_config(draft: str, num_spec: int | None,
     return config
 
 
+def _hf_config(path: str) -> dict:
+    """A checkpoint's ``config.json``: a local folder's, or the Hub's."""
+    if _looks_local(path):
+        return json.loads((Path(path).expanduser() / "config.json").read_text())
+    from huggingface_hub import hf_hub_download
+
+    return json.loads(Path(hf_hub_download(path, "config.json")).read_text())
+
+
+def _num_layers(config: dict) -> int:
+    return config.get("text_config", config)["num_hidden_layers"]
+
+
+def draft_layer_indices(model: str, draft: str) -> list[int]:
+    """The DSpark draft's layer indices in vLLM's layer names: vLLM numbers a
+    draft model's layers on from the target's (``start_layer_id``)."""
+    start = _num_layers(_hf_config(model))
+    return list(range(start, start + _num_layers(_hf_config(draft))))
+
+
+def gpu_major() -> int | None:
+    """Compute capability major of GPU 0 (nvidia-smi), None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap",
+                          "--format=csv,noheader"], capture_output=True, text=True)
+    first = out.stdout.strip().splitlines()[:1]
+    try:
+        return int(float(first[0])) if out.returncode == 0 and first else None
+    except ValueError:
+        return None
+
+
+def unquantized_draft_layers(args: argparse.Namespace, extra: list[str],
+                             major: int | None) -> list[int]:
+    """Layers to keep out of an fp8 KV cache: the DSpark draft's, on Hopper
+    under DCP, where its backend (this project's FLASHINFER_MLA FA3 path)
+    reads bf16 only, while the target's layers keep fp8 (FLASHMLA)."""
+    if (major != 9 or args.cpu or args.draft is None or args.dcp <= 1
+            or not (args.kv_cache_dtype or "").startswith("fp8")
+            or args.draft_attention_backend not in (None, "FLASHINFER_MLA")
+            or _extra_flag(extra, "--kv-cache-dtype-skip-layers") is not None):
+        return []
+    return draft_layer_indices(args.model, args.draft)
+
+
 def server_command(*, model: str, tp: int = 1, dcp: int = 1,
                    interleave: int | None = None, draft: str | None = None,
                    num_spec: int | None = None,
                    attention_backend: str | None = None,
                    draft_attention_backend: str | None = None,
-                   kv_cache_dtype: str | None = None, host: str = "127.0.0.1",
+                   kv_cache_dtype: str | None = None,
+                   kv_cache_dtype_skip_layers: list[int] | tuple[int, ...] = (),
+                   host: str = "127.0.0.1",
                    port: int = 8000, served_model_name: str | None = None,
                    shutdown_timeout: int | None = 30,
                    extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
@@ -93,6 +146,9 @@ def server_command(*, model: str, tp: int = 1, dcp: int = 1,
         cmd += ["--served-model-name", served_model_name]
     if kv_cache_dtype:
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
+    if kv_cache_dtype_skip_layers:
+        cmd += ["--kv-cache-dtype-skip-layers",
+                *(str(i) for i in kv_cache_dtype_skip_layers)]
     if attention_backend:
         cmd += ["--attention-backend", attention_backend]
     if draft:
@@ -375,6 +431,15 @@ def _extra_flag(extra: list[str], flag: str) -> str | None:
     return value
 
 
+def _draft_bonus_query(draft: str | None) -> int:
+    """1 if the DSpark draft's block holds a bonus query besides its num_spec
+    (a local config with ``sample_from_anchor`` false), else 0."""
+    config = Path(draft).expanduser() / "config.json" if draft else None
+    if config is None or not _looks_local(draft) or not config.is_file():
+        return 0
+    return int(json.loads(config.read_text()).get("sample_from_anchor", True) is False)
+
+
 def flag_problems(args: argparse.Namespace, extra: list[str]) -> list[str]:
     """Every flag vLLM would reject, found before anything starts.
 
@@ -412,15 +477,17 @@ def flag_problems(args: argparse.Namespace, extra: list[str]) -> list[str]:
                             ("--draft-attention-backend", args.draft_attention_backend)):
             if value is not None:
                 problems.append(f"{flag} needs --draft (a DSpark draft checkpoint)")
-    tokenspeed = [flag for flag, value in (
-        ("--attention-backend", args.attention_backend),
-        ("--draft-attention-backend", args.draft_attention_backend))
-        if value == "TOKENSPEED_MLA"]
-    if tokenspeed and args.num_spec is not None and args.num_spec > TOKENSPEED_MAX_NUM_SPEC:
-        problems.append(
-            f"--num-spec {args.num_spec}: TOKENSPEED_MLA ({tokenspeed[0]}) decodes "
-            f"at most {TOKENSPEED_MAX_NUM_SPEC + 1} query tokens, so --num-spec "
-            f"must be <= {TOKENSPEED_MAX_NUM_SPEC}")
+    for flag, value, extra_query in (
+            ("--attention-backend", args.attention_backend, 1),
+            ("--draft-attention-backend", args.draft_attention_backend,
+             _draft_bonus_query(args.draft))):
+        limit = TOKENSPEED_MAX_QUERY_LEN - extra_query
+        if value == "TOKENSPEED_MLA" and (args.num_spec or 0) > limit:
+            problems.append(
+                f"--num-spec {args.num_spec}: TOKENSPEED_MLA ({flag}) decodes at "
+                f"most {TOKENSPEED_MAX_QUERY_LEN} query tokens, so --num-spec must "
+                f"be <= {limit}")
+            break
     if args.cpu:
         for flag, value in (("--attention-backend", args.attention_backend),
                             ("--draft-attention-backend", args.draft_attention_backend)):
@@ -526,7 +593,10 @@ def main(argv: list[str] | None = None) -> int:
         draft=args.draft, num_spec=args.num_spec,
         attention_backend=args.attention_backend,
         draft_attention_backend=args.draft_attention_backend,
-        kv_cache_dtype=args.kv_cache_dtype, host=args.host, port=args.port,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype_skip_layers=unquantized_draft_layers(args, extra,
+                                                            gpu_major()),
+        host=args.host, port=args.port,
         served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout, extra_args=extra)
     env = cpu_server_env(args.tp, dspark=bool(args.draft)) if args.cpu else {}

@@ -23,14 +23,14 @@ ROUTE_MARK = "_vllm_dcp_cpu_mrv2"
 
 def triton_facts() -> dict:
     started_with = {name: name in sys.modules for name in ("triton", "torch", "vllm")}
-    facts = {"imported_at_start": started_with,
-             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET")}
-    from triton.backends import backends
-
-    facts["triton_backends"] = sorted(backends)
+    facts = {"imported_at_start": started_with}
     from vllm.triton_utils import HAS_TRITON
 
     facts["HAS_TRITON"] = bool(HAS_TRITON)
+    facts["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
+    from triton.backends import backends
+
+    facts["triton_backends"] = sorted(backends)
     return facts
 
 

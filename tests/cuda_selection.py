@@ -112,10 +112,13 @@ def plugin_registered(registered: bool):
 
 
 def select_mla_backend(vllm_config, major: int, *, non_causal: bool,
-                       kv_cache_dtype: str = "auto", num_heads: int = 16):
+                       kv_cache_dtype: str = "auto", num_heads: int = 16,
+                       layer_kv_cache_dtype: str | None = None):
     """vLLM's ``get_attn_backend`` for an MLA layer of ``vllm_config`` (the
     target's, or a DSpark draft's when ``non_causal``) on an sm``major``0 GPU.
 
+    ``kv_cache_dtype``: ``--kv-cache-dtype``; ``layer_kv_cache_dtype``: the
+    layer's own, where ``--kv-cache-dtype-skip-layers`` names it ("auto").
     Returns the backend class, or the ``ValueError`` vLLM raised.
     """
     from vllm.config import set_current_vllm_config
@@ -128,9 +131,54 @@ def select_mla_backend(vllm_config, major: int, *, non_causal: bool,
     attention.use_non_causal, cache.cache_dtype = non_causal, kv_cache_dtype
     try:
         with as_cuda_gpu(major), set_current_vllm_config(vllm_config):
-            return get_attn_backend(576, torch.bfloat16, kv_cache_dtype,
+            return get_attn_backend(576, torch.bfloat16,
+                                    layer_kv_cache_dtype or kv_cache_dtype,
                                     use_mla=True, num_heads=num_heads)
     except ValueError as error:
         return error
     finally:
         attention.use_non_causal, cache.cache_dtype = saved
+
+
+def engine_config(model_dir, *, tp=2, dcp=2, max_model_len=4096, dtype="float32",
+                  **flags):
+    """vLLM's ``EngineArgs(...).create_engine_config()``, as ``vllm serve``
+    builds its config (the plugin's start-up checks run in it)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model_dir), skip_tokenizer_init=True,
+                      tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                      max_model_len=max_model_len, dtype=dtype,
+                      **flags).create_engine_config()
+
+
+def gpu_engine_config(model_dir, **flags):
+    """A config built here on CPU for a GPU: the CPU platform's DCP checks and
+    its model-runner refusal (a GPU runs DSpark in Model Runner V2) are left
+    out, and an explicit ``--block-size`` is restored (the CPU platform
+    forced MLA's 16)."""
+    from vllm.config.vllm import VllmConfig
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
+
+    runner_check = next(name for name in ("_validate_v1_model_runner",  # 0.32
+                                          "_validate_model_runner")  # 0.34
+                        if hasattr(VllmConfig, name))
+    with mock.patch.object(dcp_startup_checks, "check_vllm_config"), \
+            mock.patch.object(VllmConfig, runner_check):
+        config = engine_config(model_dir, **flags)
+    if "block_size" in flags:
+        config.cache_config.block_size = flags["block_size"]
+    return config
+
+
+def check_as_gpu(config, major: int) -> None:
+    """The start-up checks on ``config``, the platform answering as sm{major}0."""
+    from types import SimpleNamespace
+
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
+
+    gpu = SimpleNamespace(is_cpu=lambda: False,
+                          get_device_capability=lambda: DeviceCapability(major, 0))
+    with mock.patch("vllm.platforms.current_platform", gpu):
+        dcp_startup_checks.check_vllm_config(config)

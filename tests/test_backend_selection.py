@@ -12,6 +12,7 @@ backends they name and pass the start-up checks at dcp 1 and 8.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -101,6 +102,43 @@ def test_dcp8_hopper_draft_gets_the_dcp_path(tmp_path, major):
     assert ours.__name__ == "FlashInferDCPMLABackend"
     if major == 9:
         assert isinstance(upstream, ValueError)
+
+
+def test_sm90_draft_without_block_size_judged_at_its_block_size(tmp_path):
+    """No --block-size: vLLM's selector passes block_size None while the config
+    still holds CacheConfig's provisional default (a worker gives the backend
+    its size later). FLASHINFER_MLA is judged at the size it will get, the
+    start-up checks' rule, at interleave 32 / 64 as at 1."""
+    import json
+
+    from vllm.config.cache import CacheConfig
+
+    from builder_harness import TINY_MLA_CONFIG
+    from cuda_selection import check_as_gpu, gpu_engine_config
+    from vllm.v1.attention.backends.mla.dcp_config_checks import default_block_size
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
+    block = default_block_size("FLASHINFER_MLA")
+    for interleave in (1, 32, block, 2 * block):
+        config = gpu_engine_config(
+            tmp_path, tp=8, dcp=8, cp_kv_cache_interleave_size=interleave,
+            speculative_config=dict(NGRAM, attention_backend="FLASHINFER_MLA"))
+        assert not config.cache_config.user_specified_block_size
+        config.cache_config.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
+        with plugin_registered(True):
+            draft = select_mla_backend(config, 9, non_causal=True)
+        if block % interleave:
+            assert isinstance(draft, ValueError)
+            with pytest.raises(ValueError, match=f"--cp-kv-cache-interleave-size "
+                                                 f"{interleave} must divide "
+                                                 f"--block-size {block}"):
+                check_as_gpu(config, 9)
+        else:
+            assert _selected(draft).get_name() == "FLASHINFER_MLA", interleave
+            check_as_gpu(config, 9)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
 # ---------------------------------------------------------------------------
@@ -287,3 +325,94 @@ def test_recipe_test_catches_fp8_on_hopper(tmp_path, tiny_draft_config):
     with plugin_registered(True):
         draft = select_mla_backend(config, 9, non_causal=True, kv_cache_dtype="fp8")
     assert isinstance(draft, ValueError)
+
+
+# ---------------------------------------------------------------------------
+# fp8 KV on Hopper: the target's layers fp8, the DSpark draft's skipped (bf16)
+
+
+def _hopper_fp8_config(tmp_path, skip_draft_layers: bool):
+    from cuda_selection import gpu_engine_config
+    from tiny_dspark import build_config_only_pair
+
+    target, draft = build_config_only_pair(tmp_path)
+    num_target = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    num_draft = json.loads((draft / "config.json").read_text())["num_hidden_layers"]
+    skip = [str(num_target + i) for i in range(num_draft)]  # vLLM's draft names
+    return gpu_engine_config(
+        target, tp=8, dcp=8, dtype="bfloat16", max_model_len=2048,
+        kv_cache_dtype="fp8",
+        kv_cache_dtype_skip_layers=skip if skip_draft_layers else [],
+        speculative_config=dict(method="dspark", model=str(draft),
+                                num_speculative_tokens=4,
+                                attention_backend="FLASHINFER_MLA")), skip
+
+
+def test_hopper_fp8_kv_with_the_drafts_layers_skipped(tmp_path):
+    """--kv-cache-dtype fp8 -dcp 8 with the DSpark draft's layers in
+    --kv-cache-dtype-skip-layers on sm90: the start-up checks pass, vLLM
+    picks FLASHMLA (fp8) for the target's layers and the plugin's
+    FLASHINFER_MLA for the draft's (bf16), both builders start, and vLLM's
+    KV-cache grouping takes the two page sizes into one group."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # 0.32
+    except ImportError:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # 0.34
+
+    from cuda_selection import check_as_gpu
+
+    config, skip = _hopper_fp8_config(tmp_path, skip_draft_layers=True)
+    check_as_gpu(config, 9)
+    with plugin_registered(True):
+        target = _selected(select_mla_backend(config, 9, non_causal=False,
+                                              kv_cache_dtype="fp8"))
+        # vLLM's DSpark loader gives the draft its attention_backend.
+        config.attention_config.backend = AttentionBackendEnum.FLASHINFER_MLA
+        draft = _selected(select_mla_backend(config, 9, non_causal=True,
+                                             kv_cache_dtype="fp8",
+                                             layer_kv_cache_dtype="auto"))
+    assert (target.get_name(), draft.get_name()) == ("FLASHMLA", "FLASHINFER_MLA")
+    config.cache_config.block_size = 64
+    with plugin_registered(True), as_cuda_gpu(9), fake_dcp_group(8, 0), \
+            set_current_vllm_config(config):
+        make_builder(draft.get_builder_cls(), config, non_causal=True,
+                     layer_names=[f"model.layers.{skip[0]}.self_attn.attn"])
+
+    def spec(kv, dtype, non_causal):
+        return MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
+                                dtype=dtype, cache_dtype_str=kv,
+                                non_causal_multi_token_decode=non_causal)
+
+    specs = {"model.layers.0.self_attn.attn": spec("fp8", torch.uint8, False),
+             f"model.layers.{skip[0]}.self_attn.attn":
+                 spec("auto", torch.bfloat16, True)}
+    groups = get_kv_cache_groups(config, specs)
+    assert len(groups) == 1 and sorted(groups[0].layer_names) == sorted(specs)
+
+
+def test_hopper_fp8_kv_without_the_skip_list_names_it(tmp_path):
+    from cuda_selection import check_as_gpu
+
+    config, _ = _hopper_fp8_config(tmp_path, skip_draft_layers=False)
+    with pytest.raises(ValueError, match="--kv-cache-dtype-skip-layers"):
+        check_as_gpu(config, 9)
+    with plugin_registered(True):
+        config.attention_config.backend = _backend_enum("FLASHINFER_MLA")
+        draft = select_mla_backend(config, 9, non_causal=True, kv_cache_dtype="fp8")
+    assert isinstance(draft, ValueError)
+
+
+def test_readme_hopper_fp8_recipe_is_vllms_cli():
+    """The README's Hopper fp8 recipe, as vLLM's own CLI parser reads it."""
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"# Hopper[^\n]*fp8[^\n]*\n(vllm serve .*?)\n```", text, re.S)
+    args = _engine_args(shlex.split(block.group(1))[3:])
+    assert (args.kv_cache_dtype, args.kv_cache_dtype_skip_layers) == ("fp8", ["61"])
+    assert args.decode_context_parallel_size == 8
+    assert args.speculative_config["attention_backend"] == "FLASHINFER_MLA"

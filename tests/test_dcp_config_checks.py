@@ -13,8 +13,8 @@ from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 
 FLASHINFER_OK = checks.DCPSetting(
     gpu_major=10, tensor_parallel_size=8, dcp_size=8, interleave=1, block_size=64,
-    kv_cache_dtype="auto", max_decode_query_len=8, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    kv_cache_dtype="auto", num_speculative_tokens=7, max_decode_query_len=8,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 TOKENSPEED_OK = dataclasses.replace(FLASHINFER_OK, kv_cache_dtype="fp8")
 
 # (backend, valid base setting, change, text the error must contain)
@@ -30,8 +30,12 @@ UNSUPPORTED = [
     ("FLASHINFER_MLA", FLASHINFER_OK, dict(kv_lora_rank=256), "--attention-backend"),
     ("TOKENSPEED_MLA", TOKENSPEED_OK, dict(gpu_major=9), "FLASHINFER_MLA"),
     ("TOKENSPEED_MLA", TOKENSPEED_OK, dict(kv_cache_dtype="auto"), "--kv-cache-dtype fp8"),
-    ("TOKENSPEED_MLA", TOKENSPEED_OK, dict(max_decode_query_len=9),
+    ("TOKENSPEED_MLA", TOKENSPEED_OK, dict(num_speculative_tokens=8,
+                                           max_decode_query_len=9),
      "num_speculative_tokens <= 7"),
+    ("TOKENSPEED_MLA", TOKENSPEED_OK, dict(num_speculative_tokens=9,
+                                           max_decode_query_len=9),
+     "num_speculative_tokens <= 8"),
     ("TOKENSPEED_MLA", TOKENSPEED_OK, dict(tensor_parallel_size=6, dcp_size=4),
      "-dcp"),
     ("TOKENSPEED_MLA", TOKENSPEED_OK, dict(interleave=128), "--block-size"),
@@ -67,8 +71,8 @@ def test_setting_read_from_vllm_config(tmp_path):
     setting = checks.DCPSetting.from_vllm_config(config, gpu_major=9)
     assert setting == checks.DCPSetting(
         gpu_major=9, tensor_parallel_size=2, dcp_size=2, interleave=16, block_size=64,
-        kv_cache_dtype="auto", max_decode_query_len=8, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+        kv_cache_dtype="auto", num_speculative_tokens=7, max_decode_query_len=8,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
 def test_builder_raises_at_start_up(tmp_path):
@@ -86,3 +90,49 @@ def test_builder_raises_at_start_up(tmp_path):
     assert "--attention-backend FLASHINFER_MLA" in message
     assert "--kv-cache-dtype fp8" in message
     assert "num_speculative_tokens <= 7" in message
+
+
+@pytest.mark.parametrize("method,sample_from_anchor,draft_len", [
+    ("dspark", None, 5), ("dspark", True, 5), ("dspark", False, 6),
+    ("ngram", None, 6)])
+def test_decode_query_len_is_vllms(tmp_path, method, sample_from_anchor, draft_len):
+    """The draft's query length is what vLLM's MRV2 drafter runs (DSpark:
+    ``DSparkSpeculator.num_query_per_req``, k when the block samples from
+    its anchor, vLLM's default), the target's verification 1 + k."""
+    from types import SimpleNamespace
+
+    config = make_vllm_config(tmp_path / "m", dcp=2, num_speculative_tokens=5)
+    hf = SimpleNamespace() if sample_from_anchor is None else SimpleNamespace(
+        sample_from_anchor=sample_from_anchor)
+    spec = config.speculative_config
+    with mock.patch.object(spec, "method", method), \
+            mock.patch.object(spec, "draft_model_config",
+                              SimpleNamespace(hf_config=hf)):
+        assert checks.decode_query_len(config, draft=True) == draft_len
+        assert checks.decode_query_len(config, draft=False) == 6
+
+
+@pytest.mark.parametrize("draft", [True, False])
+def test_tokenspeed_builder_checks_its_models_query_len(tmp_path, draft):
+    """The builder of the draft's layers (a non-causal DSpark block of 8)
+    accepts 8 speculative tokens; the target's (8 + 1 verified) refuses them."""
+    from cuda_selection import as_cuda_gpu, gpu_engine_config
+    from kernel_stubs import import_on_cpu
+    from tiny_dspark import build_config_only_pair
+
+    target_dir, draft_dir = build_config_only_pair(tmp_path)
+    config = gpu_engine_config(
+        target_dir, tp=8, dcp=8, kv_cache_dtype="fp8", block_size=64,
+        max_model_len=2048,
+        speculative_config=dict(method="dspark", model=str(draft_dir),
+                                num_speculative_tokens=8,
+                                attention_backend="TOKENSPEED_MLA"))
+    module = import_on_cpu("vllm.v1.attention.backends.mla.tokenspeed_dcp_mla")
+    with fake_dcp_group(8, 0), as_cuda_gpu(10):
+        if draft:
+            make_builder(module.TokenspeedDCPMLAMetadataBuilder, config,
+                         non_causal=True)
+            return
+        with pytest.raises(ValueError, match="needs 9: set num_speculative_"
+                                             "tokens <= 7"):
+            make_builder(module.TokenspeedDCPMLAMetadataBuilder, config)

@@ -11,12 +11,12 @@ as a Hopper / Blackwell GPU would.
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 
 from builder_harness import TINY_MLA_CONFIG
+from cuda_selection import check_as_gpu, engine_config, gpu_engine_config
 from vllm.v1.attention.backends.mla.dcp_config_checks import default_block_size
 
 
@@ -25,15 +25,6 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-mla-config")
     (path / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
     return path
-
-
-def engine_config(model_dir, *, tp=2, dcp=2, **flags):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(model=str(model_dir), skip_tokenizer_init=True,
-                      tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                      max_model_len=4096, dtype="float32",
-                      **flags).create_engine_config()
 
 
 # (engine flags, texts the error must contain)
@@ -120,28 +111,6 @@ def test_default_block_size_table_is_vllms(backend):
         CacheConfig.DEFAULT_BLOCK_SIZE)
 
 
-def gpu_engine_config(model_dir, **flags):
-    """A config built here on CPU, skipping the CPU checks (it is for a GPU)."""
-    from vllm.v1.attention.backends.mla import dcp_startup_checks
-
-    with mock.patch.object(dcp_startup_checks, "check_vllm_config"):
-        config = engine_config(model_dir, **flags)
-    if "block_size" in flags:  # the CPU platform forced MLA's 16
-        config.cache_config.block_size = flags["block_size"]
-    return config
-
-
-def check_as_gpu(config, major: int) -> None:
-    """The startup checks on ``config``, the platform answering as sm{major}0."""
-    from vllm.platforms.interface import DeviceCapability
-    from vllm.v1.attention.backends.mla import dcp_startup_checks
-
-    gpu = SimpleNamespace(is_cpu=lambda: False,
-                          get_device_capability=lambda: DeviceCapability(major, 0))
-    with mock.patch("vllm.platforms.current_platform", gpu):
-        dcp_startup_checks.check_vllm_config(config)
-
-
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 # (engine flags, GPU major, texts the error must contain); None: accepted
@@ -202,3 +171,68 @@ def test_gpu_explicit_block_size_checked_for_any_backend(model_dir):
         check_as_gpu(config, 10)
     config.parallel_config.cp_kv_cache_interleave_size = 32
     check_as_gpu(config, 10)
+
+
+@pytest.fixture(scope="module")
+def dspark_pair(tmp_path_factory):
+    """(target, draft): a tiny Kimi-K3 DSpark draft (sample_from_anchor left at
+    vLLM's default, as in the K3 drafts) and its target's config."""
+    from tiny_dspark import build_config_only_pair
+
+    return build_config_only_pair(tmp_path_factory.mktemp("dspark"))
+
+
+def dspark(draft_dir, num_spec, **fields):
+    return dict(method="dspark", model=str(draft_dir),
+                num_speculative_tokens=num_spec, **fields)
+
+
+# (who runs TOKENSPEED_MLA, num_speculative_tokens, the limit named; None: accepted)
+TOKENSPEED_QUERY_LENS = [("draft", 8, None), ("draft", 9, 8), ("target", 7, None),
+                         ("target", 8, 7)]
+
+
+@pytest.mark.parametrize("role,num_spec,limit", TOKENSPEED_QUERY_LENS)
+def test_tokenspeed_checked_with_each_models_query_len(dspark_pair, role, num_spec,
+                                                       limit):
+    """Tokenspeed decodes at most 8 query tokens: the DSpark draft block has
+    num_speculative_tokens of them (vLLM's drafter samples from the anchor),
+    the target's verification one more."""
+    backend = dict(attention_backend="TOKENSPEED_MLA")
+    model_dir, draft_dir = dspark_pair
+    config = gpu_engine_config(
+        model_dir, tp=8, dcp=8, kv_cache_dtype="fp8", max_model_len=2048,
+        speculative_config=dspark(draft_dir, num_spec,
+                                  **(backend if role == "draft" else {})),
+        **(backend if role == "target" else {}))
+    if limit is None:
+        check_as_gpu(config, 10)
+        return
+    with pytest.raises(ValueError) as error:
+        check_as_gpu(config, 10)
+    needs = num_spec + (role == "target")
+    assert (f"this setting needs {needs}: set num_speculative_tokens <= "
+            f"{limit}") in str(error.value)
+
+
+@pytest.mark.parametrize("switch", [None, "0", "false", "off", "no"])
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_cpu_dspark_without_the_route_names_its_switch(dspark_pair, monkeypatch,
+                                                       switch, dcp):
+    """vLLM refuses DSpark on CPU without naming VLLM_DCP_CPU_MRV2; the
+    start-up checks name it, at any -dcp."""
+    monkeypatch.delenv("VLLM_DCP_CPU_MRV2", raising=False)
+    if switch is not None:
+        monkeypatch.setenv("VLLM_DCP_CPU_MRV2", switch)
+    model_dir, draft_dir = dspark_pair
+    with pytest.raises(ValueError) as error:
+        engine_config(model_dir, tp=dcp, dcp=dcp, max_model_len=2048,
+                      speculative_config=dspark(draft_dir, 4))
+    assert "set VLLM_DCP_CPU_MRV2=1" in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["VLLM_DCP_CPU_MRV2", "VLLM_DCP_CPU_ROPE_FIX"])
+def test_cpu_switch_misspelt_is_refused(model_dir, monkeypatch, name):
+    monkeypatch.setenv(name, "enable")
+    with pytest.raises(ValueError, match=f"{name}='enable' is not a boolean"):
+        engine_config(model_dir)

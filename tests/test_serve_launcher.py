@@ -71,8 +71,9 @@ def bad_flag_cases(model_dir: str, tmp_path: Path, busy: int):
         (["--draft", model_dir, "--num-spec", "0"], "--num-spec 0 must be at least 1"),
         (["--draft", model_dir, "--num-spec", "8", "--attention-backend",
           "TOKENSPEED_MLA"], "--num-spec must be <= 7"),
-        (["--draft", model_dir, "--num-spec", "8", "--draft-attention-backend",
-          "TOKENSPEED_MLA"], "TOKENSPEED_MLA (--draft-attention-backend)"),
+        (["--draft", model_dir, "--num-spec", "9", "--draft-attention-backend",
+          "TOKENSPEED_MLA"], "TOKENSPEED_MLA (--draft-attention-backend) decodes at "
+         "most 8 query tokens, so --num-spec must be <= 8"),
         (["--cpu", "--attention-backend", "FLASHINFER_MLA"],
          "--attention-backend FLASHINFER_MLA does not run on CPU"),
         (["--cpu", "--draft", model_dir, "--draft-attention-backend", "TOKENSPEED_MLA"],
@@ -123,6 +124,9 @@ def test_bad_flag_fails_before_anything_starts(case, model, tmp_path, busy_port,
     # the block size is the server's to choose: it checks the interleave itself
     ["--tp", "2", "--dcp", "2", "--interleave", "64"],
     ["--num-spec", "7", "--attention-backend", "TOKENSPEED_MLA", "--draft", "org/draft"],
+    # a DSpark draft block is num_spec query tokens
+    ["--num-spec", "8", "--draft-attention-backend", "TOKENSPEED_MLA", "--draft",
+     "org/draft"],
     ["--then", sys.executable, "-c", "pass"],
 ])
 def test_good_flags_pass(argv, model):
@@ -307,3 +311,30 @@ def test_stop_escalates_to_the_group_when_the_server_is_stuck(tmp_path):
     assert signals[0] == "server SIGTERM"
     assert "child SIGTERM" in signals  # the group SIGTERM reached it
     assert not serve._group_alive(pgid)
+
+
+def test_hopper_fp8_keeps_the_drafts_layers_bf16(tmp_path):
+    """--kv-cache-dtype fp8 --draft D at --dcp 8 on sm90 adds the draft's
+    layer indices (after the target's, from the two configs) as vLLM's
+    --kv-cache-dtype-skip-layers; nowhere else."""
+    from tiny_dspark import build_config_only_pair
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    target, draft = build_config_only_pair(tmp_path)
+    base = ["--model", str(target), "--tp", "8", "--dcp", "8", "--draft", str(draft)]
+    parse = serve.build_parser().parse_args
+    fp8 = parse(base + ["--kv-cache-dtype", "fp8"])
+    assert serve.unquantized_draft_layers(fp8, [], 9) == [2, 3]
+    for args, extra, major in (
+            (fp8, [], 10), (fp8, [], None),  # Blackwell: Tokenspeed reads fp8
+            (parse(base), [], 9),
+            (parse(base + ["--kv-cache-dtype", "fp8", "--dcp", "1"]), [], 9),
+            (fp8, ["--kv-cache-dtype-skip-layers", "3"], 9)):  # the user's own
+        assert serve.unquantized_draft_layers(args, extra, major) == []
+    cmd = serve.server_command(model=str(target), tp=8, dcp=8, draft=str(draft),
+                               kv_cache_dtype="fp8", kv_cache_dtype_skip_layers=[2, 3])
+    flags = cmd[cmd.index("--kv-cache-dtype"):cmd.index("--speculative-config")]
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", *flags]))
+    assert engine_args.kv_cache_dtype_skip_layers == ["2", "3"]

@@ -278,6 +278,22 @@ def build_tiny_dspark_checkpoint(
     return path
 
 
+def build_config_only_pair(root: str | os.PathLike) -> tuple[Path, Path]:
+    """A tiny target holding only its ``config.json`` (``tiny_mla_config``)
+    and a tiny DSpark draft for it under ``root``: enough for vLLM to build
+    its config with DSpark, not to load the target.
+
+    Returns:
+        ``(target_dir, draft_dir)``.
+    """
+    from tiny_mla import tiny_mla_config
+
+    target = Path(root) / "target"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(tiny_mla_config(num_heads=8)))
+    return target, build_tiny_dspark_checkpoint(Path(root) / "draft", target)
+
+
 def check_draft_loads(target_path: str | os.PathLike,
                       draft_path: str | os.PathLike) -> dict:
     """Build vLLM's ``K3DSparkForCausalLM`` on CPU and load the draft into it.

