@@ -17,6 +17,8 @@ keep the interpreter fast.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from types import SimpleNamespace
 from unittest import mock
 
@@ -35,7 +37,7 @@ from dense_reference import (  # noqa: E402
     KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch)
 from vllm.v1.attention.backends.mla import triton_mla  # noqa: E402
 from vllm.v1.attention.backends.mla import triton_dcp_mla as ours  # noqa: E402
-from vllm.v1.attention.ops.dcp_decode import DCPLayout  # noqa: E402
+from vllm.v1.attention.ops.dcp_decode import DCPLayout, merge_partials  # noqa: E402
 from vllm.v1.attention.ops.dcp_simulated_ranks import (  # noqa: E402
     decode_on_simulated_ranks)
 
@@ -134,12 +136,22 @@ def _run_ranks(tmp_path, *, world, interleave, causal, shape, kv_cache_dtype,
                                         _layer(K_SCALE if kv_cache_dtype == "fp8"
                                                else 1.0))
         assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-        return out.float().cpu(), lse.cpu()
+        # What vLLM's combine needs from a rank without keys for a row.
+        empty = metadata.decode.flat.empty[:out.shape[0]].cpu()
+        out, lse = out.float().cpu(), lse.cpu()
+        assert not out.isnan().any()
+        assert bool((out[empty] == 0).all()) and bool((lse[empty] == -math.inf).all())
+        return out, lse
 
-    # Shard the exact stored values (as float32, NaN null block kept).
+    # Shard the exact stored values (as float32, NaN null block kept); merge
+    # in the LSE base the impl declares to vLLM's combine.
     out, lse = decode_on_simulated_ranks(
         stored.float(), batch.block_table, batch.seq_lens, decode_rank,
-        layout=DCPLayout(world, interleave=interleave))
+        layout=DCPLayout(world, interleave=interleave),
+        merge=functools.partial(merge_partials,
+                                lse_base_e=ours.TritonDCPMLAImpl.lse_base_on_e))
+    if not ours.TritonDCPMLAImpl.lse_base_on_e:
+        lse = lse * math.log(2.0)
     real = int(batch.query_start_loc[-1])
     return out[:real], lse[:real], ref_out, ref_lse
 
