@@ -340,6 +340,76 @@ def test_kernel_reads_the_same_rows_memory_every_forward(tmp_path, monkeypatch):
     assert (ptr0, stride0, lens_ptr0) == (ptr1, stride1, lens_ptr1)
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_every_graph_vllm_captures_replays_on_the_same_rows(tmp_path, monkeypatch,
+                                                            role):
+    """Every FULL uniform-decode graph vLLM's own CudaGraphManager captures
+    (default sizes; the target verifies 1 + k tokens, the DSpark draft a
+    k-token block): the kernel launch vLLM records when it builds the
+    graph's metadata for capture and the one of a later batch replayed in it
+    (fewer real requests, padded) take the same arguments but the rows'
+    contents: same row count, rows and scratch at the same addresses; the
+    padding rows are empty (masked), and upstream's workspace reservation
+    holds the scratch."""
+    from vllm.config import set_current_vllm_config
+    from vllm_capture_shapes import full_decode_shapes
+
+    num_spec = 4
+    draft = role == "draft"
+    query_len = num_spec if draft else 1 + num_spec
+    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
+                              num_speculative_tokens=num_spec)
+    config.model_config.dtype = torch.bfloat16
+    shapes = full_decode_shapes(config, query_len)
+    config.attention_config.use_non_causal = draft
+    launches = []
+
+    def launch(q, k_buffer, v_buffer, o, lse, block_table, seq_lens, logits,
+               num_kv_splits, *args, **kwargs):
+        launches.append(dict(rows=q.shape[0], table=(block_table.data_ptr(),
+                                                     block_table.stride()),
+                             lens=seq_lens.data_ptr(), logits=logits.shape,
+                             splits=num_kv_splits, row_lens=seq_lens.clone()))
+
+    monkeypatch.setattr(ours, "decode_attention_fwd", launch)
+    # The count the graph keeps is the one computed at capture.
+    monkeypatch.setattr(ours, "_compute_num_kv_splits", lambda *args: 4)
+    with fake_dcp_group(2, 0), set_current_vllm_config(config):
+        builder = make_builder(ours.TritonDCPMLAMetadataBuilder, config,
+                               non_causal=draft)
+        impl = _make_impl(ours.TritonDCPMLAImpl)
+        num_cols = builder._dcp_rows.block_table.shape[1]
+        max_rows = config.scheduler_config.max_num_seqs * builder.reorder_batch_threshold
+        for num_tokens, num_reqs in shapes:
+            assert num_tokens <= max_rows, (num_tokens, max_rows)
+            gen = torch.Generator().manual_seed(num_tokens)
+            for capture in (True, False):
+                real = num_reqs if capture else max(num_reqs - 1, 1)
+                seq_lens = ([query_len] * real if capture else (torch.randint(
+                    0, 900, (real,), generator=gen) + query_len).tolist())
+                pad = num_reqs - real
+                table = torch.randint(1, 99, (num_reqs, num_cols), generator=gen,
+                                      dtype=torch.int32)
+                common = common_metadata(seq_lens + [0] * pad,
+                                         [query_len] * real + [0] * pad, table,
+                                         world_size=2, rank=0, interleave=1,
+                                         causal=not draft)
+                common.num_actual_tokens = num_tokens
+                common.max_query_len = query_len
+                metadata = (builder.build_for_cudagraph_capture(common) if capture
+                            else builder.build(0, common))
+                q = torch.zeros(num_tokens, NUM_HEADS, KV_LORA_RANK + ROPE_DIM,
+                                dtype=torch.bfloat16)
+                out, _ = impl.forward_mqa(q, torch.zeros(99, BLOCK_SIZE, 576,
+                                                         dtype=torch.bfloat16),
+                                          metadata, _layer())
+            captured, replayed = launches[-2], launches[-1]
+            assert replayed.pop("row_lens")[real * query_len:].eq(0).all()
+            captured.pop("row_lens")
+            assert captured == replayed and captured["rows"] == num_tokens
+            assert out[real * query_len:].eq(0).all()  # padding rows masked
+
+
 @runs_where_triton_cannot
 def test_interpreter_runs_triton_path_tests():
     """Every CI run: the triton_path tests under Triton's interpreter."""
