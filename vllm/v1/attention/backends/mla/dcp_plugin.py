@@ -28,6 +28,7 @@ BACKEND_OVERRIDES: list[tuple[str, str]] = [
     ("TOKENSPEED_MLA",
      "vllm.v1.attention.backends.mla.tokenspeed_dcp_mla.TokenspeedDCPMLABackend"),
     ("CPU_MLA", "vllm.v1.attention.backends.mla.cpu_dcp_mla.CPUDCPMLABackend"),
+    ("TRITON_MLA", "vllm.v1.attention.backends.mla.triton_dcp_mla.TritonDCPMLABackend"),
 ]
 
 # vLLM modules the overrides subclass or read, by the vLLM attribute they need.
@@ -37,6 +38,8 @@ UPSTREAM_MODULES: tuple[str, ...] = (
     "vllm.v1.attention.backends.mla.flashinfer_mla",
     "vllm.v1.attention.backends.mla.tokenspeed_mla",
     "vllm.v1.attention.backends.mla.cpu_mla",
+    "vllm.v1.attention.backends.mla.triton_mla",
+    "vllm.v1.attention.ops.triton_decode_attention",
     "vllm.model_executor.layers.attention.mla_attention",
     "vllm.v1.attention.ops.dcp",
 )

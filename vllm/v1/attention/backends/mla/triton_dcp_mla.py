@@ -1,0 +1,200 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton MLA under DCP x DSpark: causal verify and non-causal draft blocks.
+
+Registered over ``TRITON_MLA`` by the plugin: the portable decode path (GPUs
+without FlashInfer's FA3 or CuTe DSL MLA: Ampere, Ada, ROCm) and the fallback
+everywhere. With DCP every decode query token is one row of the per-forward
+``DCPDecodeMetadata`` (its own local KV bound, block-table row and empty
+flag), which is what vLLM's ``decode_attention_fwd`` consumes: one program per
+row over that row's KV extent. So one code path serves single-token decode,
+causal speculative verification, non-causal DSpark draft blocks, ragged
+batches and any ``--cp-kv-cache-interleave-size``. The kernel's fp8
+dequantization (the layer's ``_k_scale``) and its natural-log LSE are used as
+they are; the LSE is kept in float32 for the combine.
+
+Rows where this rank holds no KV are masked from the metadata (out 0, LSE
+-inf) and the layers' combines, routed once when the builder is made, skip
+their own per-layer mask (``dcp_epilogue``).
+
+CUDA graphs: upstream's ``UNIFORM_BATCH``. The rows are persistent buffers
+the builder fills on the device before the graph replays; the kernel reads
+them through views of fixed address, its split-KV scratch comes from vLLM's
+workspace (upstream's reservation, max_num_seqs x (1 + num_speculative_tokens)
+rows once the reorder threshold admits multi-token decodes under DCP), and
+any split count gives every row its own exact extent, so the count captured
+with the graph is only a performance choice.
+
+With DCP size 1 (or a cache every rank holds whole) the builder, the
+selection and the kernel call are upstream's.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+import vllm.envs as envs
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonMetadata,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionLayer
+from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+from vllm.v1.attention.backends.mla.dcp_epilogue import (
+    finish_rows_decode,
+    route_combines_through_rows,
+)
+from vllm.v1.attention.backends.mla.dcp_metadata import (
+    DCPDecodeBuilderMixin,
+    DCPDecodeMetadata,
+)
+from vllm.v1.attention.backends.mla.triton_mla import (
+    TritonMLABackend,
+    TritonMLAImpl,
+    TritonMLAMetadataBuilder,
+    _compute_num_kv_splits,
+)
+from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.worker.workspace import (
+    current_workspace_manager,
+    is_workspace_manager_initialized,
+)
+
+
+def _rows_under_dcp(kv_cache_spec: AttentionSpec, vllm_config: VllmConfig) -> bool:
+    """Whether this KV-cache group is split over the DCP ranks (vLLM >= 0.33
+    keeps a cache every rank holds whole, e.g. a DCP-1 draft, unsplit)."""
+    return (vllm_config.parallel_config.decode_context_parallel_size > 1
+            and getattr(kv_cache_spec, "dcp_sharded", True))
+
+
+class TritonDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TritonMLAMetadataBuilder):
+    """Triton-MLA builder that fills the DCP rows once per forward.
+
+    Under DCP the rows take any query-length mix, causal or not, at any
+    interleave size: decode batches are ``VARLEN`` and vLLM's DSpark x DCP
+    checks pass for the causal target and the non-causal draft. Without DCP
+    everything is upstream's (uniform blocks, flattened in ``forward_mqa``).
+    """
+
+    # Only consulted with DCP (vLLM's selector and DSpark validation).
+    supports_non_causal_multi_token_dcp: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        # Read by the base __init__ (reorder threshold, DSpark validation,
+        # upstream's workspace reservation), so set before it runs.
+        self._dcp_rows_enabled = _rows_under_dcp(kv_cache_spec, vllm_config)
+        if self._dcp_rows_enabled:
+            # Per builder, as the CPU and ROCm AITER MLA builders set it.
+            self.query_len_support = QueryLenSupport.VARLEN  # type: ignore[misc]
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if self.dcp_world_size > 1:
+            checks.raise_if_unsupported(
+                checks.TRITON_MLA,
+                checks.DCPSetting.from_vllm_config(vllm_config,
+                                                   checks.current_gpu_major()))
+            route_combines_through_rows(vllm_config, layer_names)
+
+    def _validate_dspark_dcp_support(self, supports_dcp_with_varlen: bool) -> None:
+        super()._validate_dspark_dcp_support(
+            supports_dcp_with_varlen or self._dcp_rows_enabled)
+
+    def _init_reorder_batch_threshold(
+        self,
+        reorder_batch_threshold: int | None = 1,
+        supports_spec_as_decode: bool = False,
+        supports_dcp_with_varlen: bool = False,
+    ) -> None:
+        # Under DCP upstream keeps the threshold at 1 (multi-token queries go
+        # to prefill); the rows decode them, so they stay decodes.
+        super()._init_reorder_batch_threshold(
+            reorder_batch_threshold, supports_spec_as_decode,
+            supports_dcp_with_varlen or self._dcp_rows_enabled)
+
+
+class TritonDCPMLAImpl(TritonMLAImpl):
+    """Triton-MLA decode over the per-forward DCP rows."""
+
+    # decode_attention_fwd's LSE is e_max + log(e_sum) with exp/log: natural.
+    lse_base_on_e: ClassVar[bool] = True
+    # Every query token is its own row with its own local bound, so causal
+    # verify and draft blocks work at any --cp-kv-cache-interleave-size
+    # (vLLM's check_attention_cp_compatibility reads this).
+    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: MLACommonMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Absorbed-MLA decode of N query tokens over this rank's KV.
+
+        Args:
+            q: [N, H, Dv + R] in the model dtype (or the ``(q_nope, q_pe)``
+                pair); H is every head of the DCP group after vLLM's query
+                gather.
+            kv_c_and_k_pe_cache: [num_blocks, block_size, Dv + R] local
+                cache, bf16/fp16 or fp8 (dequantized in the kernel with
+                ``layer._k_scale``).
+
+        Returns:
+            ``(out [N, H, Dv] in q's dtype, lse [N, H] float32 natural log)``
+            (LSE None where vLLM does not ask for it); rows without local KV
+            give out 0 and LSE -inf. Upstream's result without DCP.
+        """
+        decode = attn_metadata.decode
+        if not isinstance(decode, DCPDecodeMetadata):
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        rows = decode.flat
+        num_rows, num_heads = q.shape[0], q.shape[1]
+        if rows.num_rows < num_rows:
+            raise ValueError(f"{num_rows} decode query tokens but the metadata "
+                             f"has {rows.num_rows} rows")
+        out = q.new_empty(num_rows, num_heads, self.kv_lora_rank)
+        # float32: the combine weighs the ranks by exp(LSE), and a bf16 LSE
+        # (upstream's) is off by up to 1/256 of its value.
+        lse = torch.empty(num_rows, num_heads, dtype=torch.float32, device=q.device)
+        # Any count is exact (each row splits its own extent); attn_metadata's
+        # max_seq_len bounds the local lengths under DCP.
+        num_kv_splits = (1 if envs.VLLM_BATCH_INVARIANT else
+                         _compute_num_kv_splits(attn_metadata.max_seq_len,
+                                                self._sm_count))
+        logits_shape = (num_rows, num_heads, num_kv_splits, self.kv_lora_rank + 1)
+        if is_workspace_manager_initialized():
+            (attn_logits,) = current_workspace_manager().get_simultaneous(
+                (logits_shape, torch.float32))
+        else:
+            attn_logits = torch.empty(logits_shape, dtype=torch.float32,
+                                      device=q.device)
+        kv_cache = kv_c_and_k_pe_cache.unsqueeze(2)  # one KV head
+        decode_attention_fwd(
+            q, kv_cache, kv_cache[..., :self.kv_lora_rank], out, lse,
+            rows.block_table[:num_rows], rows.seq_lens[:num_rows], attn_logits,
+            num_kv_splits, self.scale, kv_cache.size(1),
+            k_scale=layer._k_scale, v_scale=layer._k_scale, is_mla=True)
+        return finish_rows_decode(self, out, lse, rows)
+
+
+class TritonDCPMLABackend(TritonMLABackend):
+    """``TRITON_MLA`` with DCP x DSpark rows."""
+
+    @staticmethod
+    def get_impl_cls() -> type[TritonDCPMLAImpl]:
+        return TritonDCPMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TritonDCPMLAMetadataBuilder]:
+        return TritonDCPMLAMetadataBuilder
