@@ -50,6 +50,8 @@ def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
     (model_dir / "config.json").write_text(json.dumps(hf_config))
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True,
                         dtype="float32", max_model_len=max_model_len)
+    if executor is None and torch.cuda.is_available():
+        executor = "mp"
     parallel = ParallelConfig(tensor_parallel_size=dcp,
                               decode_context_parallel_size=dcp,
                               cp_kv_cache_interleave_size=interleave,

@@ -269,6 +269,9 @@ def test_selector_picks_the_dcp_backend_for_the_draft_on_sm90(tmp_path):
     from vllm.v1.attention.selector import get_attn_backend
 
     assert current_platform.get_device_capability().major == 9
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as every vLLM process does: the entry point
     config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
                               num_speculative_tokens=NUM_SPEC, executor="mp")
     config.attention_config.use_non_causal = True
