@@ -45,7 +45,9 @@ def make_triton_impl(heads: int, scale: float, kv_cache_dtype: str):
 
     from vllm.v1.attention.backends.mla.triton_dcp_mla import TritonDCPMLAImpl
 
-    with fake_dcp_group(8, 0):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with fake_dcp_group(8, 0), set_current_vllm_config(VllmConfig()):
         return TritonDCPMLAImpl(
             num_heads=heads, head_size=DV + DR, scale=scale, num_kv_heads=1,
             alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv_cache_dtype,
