@@ -2,7 +2,7 @@
 """Shared helpers for the DCP benchmarks: timing, CSV/PNG output, tables.
 
 Imported as ``benchmarks._common``: run the scripts from the repository root
-as modules (``python -m benchmarks.decode``, ``python -m gpu.check_graph``).
+as modules (``python -m benchmarks.decode_step``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Decode-step benchmark of the sm90 paths as the backend runs them (H200).
+"""Decode-step benchmark of the sm90 path as the backend runs it (H200).
 
-One rank's share of a decode step: L layers of FLASHINFER_MLA's sm90 paths,
+One rank's share of a decode step: L layers of FLASHINFER_MLA's sm90 path,
 at rank-local shapes of W = 1/2/4/8 (each request's ``ctx / W`` local KV
 tokens), batch B, causal q_len 4, H heads:
 
 - fa3: FA3 prefix segments + Triton tails, planned once from host data by
-  ``plan_prefix_tail_host`` / ``plan_prefix_tail``, every layer ``run``; the
+  ``FlashInferSm90MLA.plan_rows`` (the builder's call), every layer ``run``; the
   prefixes are whole pages, as the backend plans them (every context here is
   a multiple of W pages, so each row's tail is the worst case: a page and
   the query's own keys); fa3-exact: prefixes at the exact bound (the tails
   are the query's keys only), for the cost of those tails; fa3:KxS: fa3 with
-  the tail kernel at K keys per loop step and S pipelining stages;
-- split: the split-KV Triton decode (``TritonMLASplitKV``), its split count
-  from the row count and the rank's share of ``--max-model-len``.
+  the tail kernel at K keys per loop step and S pipelining stages.
 
 For each point and path: the step eager (L runs) and as one CUDA-graph
 replay, the KV bytes read per second in the replay, the launch overhead
@@ -22,14 +20,12 @@ over eager steps, fa3 with --profile), the host+device time of the
 builder's per-forward work (rows + plan) when the lengths repeat (plan_ms:
 FA3's schedule is reused) and when every forward's lengths differ by a page
 (plan_miss_ms: FlashInfer plans), and FlashInfer's own no-DCP causal decode over the same local KV
-(one layer). ``path`` marks the one the backend's rule
-(``split_kv_preferred``) picks. Layers cycle over enough distinct caches to
-keep every layer's KV out of L2.
+(one layer). Layers cycle over enough distinct caches to keep every layer's
+KV out of L2. (The split-KV Triton decode this benchmark also measured was
+removed: at the deployed head counts FA3 was faster at every point,
+benchmarks/RESULTS.md run 17.)
 
-The split-KV kernel's knobs were picked per layer by
-``benchmarks/split_kv_sweep.py``.
-
-    python -m benchmarks.decode_step --out-dir DIR [--paths fa3 split] [--heads 96]
+    python -m benchmarks.decode_step --out-dir DIR [--paths fa3 fa3-exact] [--heads 96]
 """
 
 from __future__ import annotations
@@ -46,8 +42,6 @@ from vllm.v1.attention.ops.dcp_decode import DCPLayout, alloc_flat_decode
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
-from vllm.v1.attention.ops.triton_mla_split_kv import (
-    TritonMLASplitKV, split_kv_preferred)
 
 DV, DR, PAGE = 512, 64, 64
 HBM_TBPS = 4.25  # measured copy bandwidth here
@@ -81,8 +75,6 @@ class Setup:
         self.batch, self.ctx, self.world, self.layers = batch, ctx, world, layers
         self.heads, self.q_len = heads, q_len
         self.local = int(DCPLayout(world).local_seq_lens(torch.tensor([ctx]))[0])
-        self.max_local = int(DCPLayout(world).local_seq_lens(
-            torch.tensor([max(args.max_model_len, ctx)]))[0])
         pages = -(-self.local // PAGE)
         self.per_layer_bytes = batch * pages * PAGE * (DV + DR) * 2
         self.copies = max(1, min(layers, int(args.pool_gib * 2**30
@@ -164,24 +156,8 @@ def measure_path(setup, kernel, plan, args):
                 roofline_frac=setup.bytes_step / replay / 1e9 / HBM_TBPS)
 
 
-def split_kernel(setup, args, **knobs):
-    knobs.setdefault("max_rows_per_program", setup.q_len)
-    return TritonMLASplitKV(num_heads=setup.heads, sm_scale=setup.scale,
-                            dtype=torch.bfloat16, max_rows=setup.rows,
-                            max_local_len=setup.max_local, device="cuda", **knobs)
-
-
-def split_plan(setup, kernel, group, seq, num_splits=None):
-    """The builder's split-KV plan: rows, then the host-only plan (a uniform
-    batch: each request's q_len rows in one program when ``group``)."""
-    flat = setup.build_rows(seq)
-    kernel.plan(flat.seq_lens, flat.block_table, num_rows=setup.rows,
-                rows_per_program=group, row_to_req=flat.row_to_req,
-                num_splits=num_splits)
-
-
 def point(setup, ws, args):
-    """Both paths at one point; returns one CSV row per path."""
+    """Every path at one point; returns one CSV row per path."""
     results = []
     base = dict(batch=setup.batch, ctx=setup.ctx, W=setup.world, layers=setup.layers,
                 heads=setup.heads, local_tokens=setup.local)
@@ -189,51 +165,38 @@ def point(setup, ws, args):
     try:
         native = NativeFA3MLA(ws, num_heads=setup.heads, page_size=PAGE,
                                    sm_scale=setup.scale, dtype=torch.bfloat16)
-    except ImportError:  # no FlashInfer: split-KV only (--paths split)
-        native = None
-        native_ms = float("nan")
-    if native is not None:
-        native.plan(setup.qsl.to("cuda"),
-                             torch.full((setup.batch,), setup.local, dtype=torch.int32,
-                                        device="cuda"), setup.table, causal=True)
-        native_ms = time_ms(lambda: native.run(setup.qs[0], setup.caches[0]), 20)
-    chosen = ("split" if split_kv_preferred(setup.rows, setup.heads, setup.max_local)
-              else "fa3")
+    except ImportError:
+        raise SystemExit("decode_step needs FlashInfer")
+    native.plan(setup.qsl.to("cuda"),
+                torch.full((setup.batch,), setup.local, dtype=torch.int32,
+                           device="cuda"), setup.table, causal=True)
+    native_ms = time_ms(lambda: native.run(setup.qs[0], setup.caches[0]), 20)
     for path in args.paths:
-        if path.startswith("fa3"):
-            tail = {}
-            if ":" in path:
-                keys, stages = (int(v) for v in path.partition(":")[2].split("x"))
-                tail = dict(tail_keys_per_step=keys, tail_num_stages=stages)
-            kernel = FlashInferSm90MLA(ws, num_heads=setup.heads, page_size=PAGE,
-                                       sm_scale=setup.scale, dtype=torch.bfloat16,
-                                       max_rows=setup.rows,
-                                       max_cols=setup.table.shape[1], **tail)
+        tail = {}
+        if ":" in path:
+            keys, stages = (int(v) for v in path.partition(":")[2].split("x"))
+            tail = dict(tail_keys_per_step=keys, tail_num_stages=stages)
+        kernel = FlashInferSm90MLA(ws, num_heads=setup.heads, page_size=PAGE,
+                                   sm_scale=setup.scale, dtype=torch.bfloat16,
+                                   max_rows=setup.rows,
+                                   max_cols=setup.table.shape[1], **tail)
 
-            def plan(seq, kernel=kernel, exact=path == "fa3-exact"):
-                flat = setup.build_rows(seq)
-                layout = DCPLayout(setup.world)
-                if not exact:  # the backend's plan
-                    kernel.plan_rows(setup.qsl, seq, setup.table, flat,
-                                     num_rows=setup.rows, causal=True,
-                                     slack=setup.q_len - 1, layout=layout)
-                    return
-                # Exact prefixes, not whole pages: what whole-page tails cost.
-                prefix = host_prefix_lens(seq, setup.qsl, causal=True,
-                                          slack=setup.q_len - 1, layout=layout)
-                host = plan_prefix_tail_host(setup.qsl, prefix, num_rows=setup.rows,
-                                             page_size=PAGE, whole_pages=False)
-                kernel.plan_prefix_tail(host, setup.table, flat.seq_lens,
-                                        flat.block_table)
-            splits = 0
-        else:
-            kernel = split_kernel(setup, args, **args.split_knobs)
-
-            def plan(seq, kernel=kernel):
-                split_plan(setup, kernel, setup.q_len, seq)
-            splits = kernel.splits_for(setup.rows, setup.q_len)
-        r = dict(base, path=path, backend_path=chosen, num_splits=splits,
-                 **measure_path(setup, kernel, plan, args))
+        def plan(seq, kernel=kernel, exact=path == "fa3-exact"):
+            flat = setup.build_rows(seq)
+            layout = DCPLayout(setup.world)
+            if not exact:  # the backend's plan
+                kernel.plan_rows(setup.qsl, seq, setup.table, flat,
+                                 num_rows=setup.rows, causal=True,
+                                 slack=setup.q_len - 1, layout=layout)
+                return
+            # Exact prefixes, not whole pages: what whole-page tails cost.
+            prefix = host_prefix_lens(seq, setup.qsl, causal=True,
+                                      slack=setup.q_len - 1, layout=layout)
+            host = plan_prefix_tail_host(setup.qsl, prefix, num_rows=setup.rows,
+                                         page_size=PAGE, whole_pages=False)
+            kernel.plan_prefix_tail(host, setup.table, flat.seq_lens,
+                                    flat.block_table)
+        r = dict(base, path=path, **measure_path(setup, kernel, plan, args))
         r.update(native_layer_ms=native_ms, layer_over_native=r["layer_ms"] / native_ms)
         results.append(r)
     return results
@@ -248,24 +211,18 @@ def main():
     ap.add_argument("--layers", type=int, nargs="+", default=[24, 61])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--q-len", type=int, default=4)
-    ap.add_argument("--paths", nargs="+", default=["fa3", "split"],
-                    help="fa3, fa3-exact, split, or fa3:KxS (the tail kernel at K "
+    ap.add_argument("--paths", nargs="+", default=["fa3"],
+                    help="fa3, fa3-exact, or fa3:KxS (the tail kernel at K "
                          "keys per step and S pipelining stages)")
-    ap.add_argument("--max-model-len", type=int, default=262144,
-                    help="sets the split-KV split count (the rank's share of it)")
-    ap.add_argument("--split-knobs", default="",
-                    help="TritonMLASplitKV knobs, e.g. block_n=64,num_warps=8")
     ap.add_argument("--pool-gib", type=float, default=12.0)
     ap.add_argument("--max-gib", type=float, default=40.0,
                     help="skip points whose one-copy KV exceeds this")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args()
-    args.split_knobs = {k: int(v) for k, v in
-                        (kv.split("=") for kv in args.split_knobs.split(",") if kv)}
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     results = []
-    print(f"{'B':>3}{'ctx':>8}{'W':>3}{'L':>4}{'path':>6}{'S':>4}{'eager':>9}"
+    print(f"{'B':>3}{'ctx':>8}{'W':>3}{'L':>4}{'path':>10}{'eager':>9}"
           f"{'graph':>9}{'removed':>9}{'kern':>8}{'TB/s':>6}{'layer':>8}{'native':>8}"
           f"{'l/n':>6}{'plan':>7}{'miss':>7}")
     for layers in args.layers:
@@ -278,9 +235,8 @@ def main():
                                   args)
                     for r in point(setup, ws, args):
                         results.append(r)
-                        mark = "*" if r["path"] == r["backend_path"] else " "
                         print(f"{batch:3}{ctx // 1024:7}K{world:3}{layers:4}"
-                              f"{r['path']:>5}{mark}{r['num_splits']:4}"
+                              f"{r['path']:>10}"
                               f"{r['eager_ms']:9.3f}{r['graph_ms']:9.3f}"
                               f"{r['launch_overhead_removed_ms']:9.3f}"
                               f"{r['kernel_sum_ms']:8.3f}{r['kv_tbps']:6.2f}"
@@ -293,7 +249,7 @@ def main():
     if results:
         write_csv(f"{args.out_dir}/decode_step.csv", results)
     # W-rank step against 1.2/W of the W=1 step (graph replay) of the faster
-    # path there; * = the path the backend's rule picks at that row count.
+    # path there.
     base = {}
     for r in results:
         if r["W"] == 1:
@@ -304,8 +260,7 @@ def main():
         b = base.get((r["batch"], r["ctx"], r["layers"]))
         if b and r["W"] > 1:
             ratio = r["graph_ms"] / b
-            mark = "*" if r["path"] == r["backend_path"] else " "
-            print(f"  {r['path']:>5}{mark} B={r['batch']} ctx={r['ctx'] // 1024}K "
+            print(f"  {r['path']:>10} B={r['batch']} ctx={r['ctx'] // 1024}K "
                   f"L={r['layers']} W={r['W']}: {ratio:.3f} (target "
                   f"{1.2 / r['W']:.3f}) {'met' if ratio <= 1.2 / r['W'] else 'missed'}")
 

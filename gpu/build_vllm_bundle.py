@@ -14,7 +14,7 @@ script (run here, with network) gathers into the ignored folder ``.bundle/``:
   wheels/              cp312 wheels of the packages vLLM imports that the
                        device lacks (``DEP_WHEELS``; one version each)
   flashinfer/          FlashInfer 0.7.2.post1 trimmed to what its FA3 MLA JIT
-                       needs, in the layout of gpu/run_versions.sh:
+                       needs (v<version>.zip + common.zip):
                        ``v0.7.2.post1.zip`` (every .py file, json configs,
                        ``data/include``, ``data/csrc``'s top-level files) and
                        ``common.zip`` (cutlass, cccl and spdlog headers, to

@@ -3,18 +3,17 @@
 
 vLLM 0.32's own ``VllmConfig``, ``CommonAttentionMetadata`` and the real
 ``FlashInferDCPMLAMetadataBuilder`` / ``FlashInferDCPMLAImpl``: the builder
-plans once per forward from host data, split-KV at small row counts or FA3
-prefix+tail (``seq_lens_cpu_upper_bound`` optimistic by up to the draft
-tokens, as under async speculative decoding), every layer's ``forward_mqa``
-only runs. Both paths are taken by the builder's own rule (its row x head
-and local-length bounds are patched to move the threshold). FA3 is the stand-in of
+plans FA3 prefix+tail once per forward from host data
+(``seq_lens_cpu_upper_bound`` optimistic by up to what vLLM hands over under
+async speculative decoding: k for the target, 2k for a draft), every
+layer's ``forward_mqa`` only runs. FA3 is the stand-in of
 ``test_flashinfer_sm90_mla`` (honours the plan it is given, FlashInfer
 0.7.4's planned-shape contract, CUDA-graph wrappers with reserved buffers);
-the split-KV and tail kernels are the real Triton ones, so the
-``triton_path`` tests run under
-``TRITON_INTERPRET=1`` (``test_interpreter_runs_triton_path_tests`` starts
-them in a subprocess on every CI run). The ranks' outputs, merged, must equal
-``dense_reference.full_attention``.
+the tail kernel is the real Triton one, so the ``triton_path`` tests run
+under ``TRITON_INTERPRET=1`` (``test_interpreter_runs_triton_path_tests``
+starts them in a subprocess on every CI run). The ranks' outputs, merged,
+must equal ``dense_reference.full_attention``. The same builder on the
+H200 with FlashInfer's FA3: ``tests/gpu/test_sm90_vllm_backend.py``.
 """
 
 from __future__ import annotations
@@ -91,17 +90,6 @@ CASES = {  # (seq_lens, query_lens): q_len <= 1 + NUM_SPEC
 }
 
 
-SPLIT_KV_OPS = "vllm.v1.attention.ops.triton_mla_split_kv"
-
-
-def _force_path(sm90, monkeypatch, path):
-    """Make the real builder's own rule pick ``path`` for every CASES batch
-    (5-20 rows of 8 heads) by moving its rows x heads bound: split-KV under
-    a bound above every batch, FA3 under a bound of 0."""
-    monkeypatch.setattr(f"{SPLIT_KV_OPS}.SPLIT_KV_MAX_ROW_HEADS",
-                        10**6 if path == "split" else 0)
-
-
 def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0,
                kept=None, host_overcount=None):
     """Every rank: real builder + NUM_LAYERS forward_mqa calls; returns the
@@ -162,8 +150,7 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0,
                        for _ in layer_names]
             plans.append(sum(c[0] == "plan" for c in _FakeWrapper.calls) - before)
             kernel = metadata.decode.kernel_state["sm90_planned"]
-            planned.append((type(kernel).__name__,
-                            getattr(kernel, "rows_per_program", None)))
+            planned.append(type(kernel).__name__)
         for out, lse in results[1:]:
             assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
         return results[0][0].float(), results[0][1]
@@ -176,38 +163,27 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0,
 
 
 @needs_triton
-@pytest.mark.parametrize("path", ["fa3", "split"])
 @pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16)])
 @pytest.mark.parametrize("causal,shape", [(True, "uniform"), (True, "padded"),
                                           (True, "ragged"), (False, "uniform"),
                                           (False, "padded")])
-def test_triton_path_backend_merges_to_full_attention(sm90, tmp_path, monkeypatch,
-                                                      path, world, interleave,
-                                                      causal, shape):
-    _force_path(sm90, monkeypatch, path)
+def test_triton_path_backend_merges_to_full_attention(sm90, tmp_path, world,
+                                                      interleave, causal, shape):
     out, lse, ref_out, ref_lse, plans, planned = _run_ranks(
         sm90, tmp_path, world=world, interleave=interleave, causal=causal,
         shape=shape, seed=world)
-    if path == "fa3":
-        assert plans == [1] * world, "one FA3 plan per forward (in the builder)"
-        assert planned == [("FlashInferSm90MLA", None)] * world
-    else:
-        # A uniform batch's 4 rows per request share one program.
-        group = 1 if shape == "ragged" else 4
-        assert plans == [0] * world, "split-KV needs no FA3 plan"
-        assert planned == [("TritonMLASplitKV", group)] * world
+    assert plans == [1] * world, "one FA3 plan per forward (in the builder)"
+    assert planned == ["FlashInferSm90MLA"] * world
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
 @needs_triton
-def test_triton_path_builder_reuses_an_unchanged_fa3_schedule(sm90, tmp_path,
-                                                              monkeypatch):
+def test_triton_path_builder_reuses_an_unchanged_fa3_schedule(sm90, tmp_path):
     """The real builders, kept across forwards as vLLM keeps them, on the FA3
     path: a forward at the same lengths with new pages, cache and queries
     reuses FlashInfer's plan on every rank; one whose requests grew by a
     local page plans again; each merges to full attention."""
-    _force_path(sm90, monkeypatch, "fa3")
     kept = {}
     for shape, seed, expected in (("uniform", 0, [1, 1]), ("uniform", 1, [0, 0]),
                                   ("uniform_grown", 2, [1, 1])):
@@ -222,13 +198,11 @@ def test_triton_path_builder_reuses_an_unchanged_fa3_schedule(sm90, tmp_path,
 @needs_triton
 @pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16)])
 def test_triton_path_draft_with_the_largest_async_host_overcount(sm90, tmp_path,
-                                                                 monkeypatch, world,
-                                                                 interleave):
+                                                                 world, interleave):
     """The DSpark draft's host lengths exceed the device's by up to 2k (k
     rejected in the previous async step, k in this one): at that over-count
     on every request the draft's FA3 prefixes still hold only keys every
     token sees, and the ranks merge to full attention."""
-    _force_path(sm90, monkeypatch, "fa3")
     out, lse, ref_out, ref_lse, _, _ = _run_ranks(
         sm90, tmp_path, world=world, interleave=interleave, causal=False,
         shape="page_edges", seed=5, host_overcount=2 * NUM_SPEC)
@@ -271,7 +245,7 @@ def _capture_batch(num_tokens, num_reqs, query_len, *, num_cols, seed):
 
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_sm90_graph_wrappers_cover_every_shape_vllm_captures(sm90, tmp_path,
-                                                             monkeypatch, role):
+                                                             role):
     """Every FULL uniform-decode graph vLLM's own CudaGraphManager captures
     (its default sizes; the target verifies 1 + k tokens, the DSpark draft a
     k-token block) is planned on a FlashInfer CUDA-graph wrapper when vLLM
@@ -280,7 +254,6 @@ def test_sm90_graph_wrappers_cover_every_shape_vllm_captures(sm90, tmp_path,
     from vllm.config import set_current_vllm_config
     from vllm_capture_shapes import full_decode_shapes
 
-    _force_path(sm90, monkeypatch, "fa3")
     draft = role == "draft"
     query_len = GRAPH_NUM_SPEC if draft else 1 + GRAPH_NUM_SPEC
     config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
@@ -317,7 +290,6 @@ def test_sm90_refuses_to_capture_a_plain_wrapper_plan(sm90, tmp_path, monkeypatc
     wrapper) is refused, loudly, if a CUDA graph captures it."""
     from vllm.config import set_current_vllm_config
 
-    _force_path(sm90, monkeypatch, "fa3")
     config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
                               num_speculative_tokens=NUM_SPEC)
     config.model_config.dtype = torch.bfloat16
@@ -339,77 +311,9 @@ def test_sm90_refuses_to_capture_a_plain_wrapper_plan(sm90, tmp_path, monkeypatc
                              _layer())
 
 
-def _planned_path(sm90, config, seq_lens, query_lens, *, causal, seed):
-    """The kernel class the real builder plans for one forward (rank 0 of 2)."""
-    from vllm.config import set_current_vllm_config
-
-    gen = torch.Generator().manual_seed(seed)
-    table = torch.randint(1, 99, (len(seq_lens), 40), generator=gen, dtype=torch.int32)
-    with fake_dcp_group(2, 0), set_current_vllm_config(config):
-        builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config,
-                               non_causal=not causal)
-        impl = _make_impl(sm90, 0.0721)
-        config.compilation_config.static_forward_context[
-            "model.layers.0.attn"].impl = impl
-        common = common_metadata(seq_lens, query_lens, table, world_size=2, rank=0,
-                                 interleave=1, causal=causal)
-        common.seq_lens_cpu_upper_bound = common.seq_lens + torch.randint(
-            0, NUM_SPEC + 1, common.seq_lens.shape, generator=gen).int()
-        metadata = builder.build(0, common)
-    return type(metadata.decode.kernel_state["sm90_planned"]).__name__
-
-
-def test_sm90_path_is_a_function_of_the_row_count(sm90, tmp_path, monkeypatch):
-    """Batches of one padded row count (random lengths, query-length mixes,
-    host over-counts, causal or not) all take one path: split-KV up to a
-    rows x heads bound (12 rows of 8 heads here), FA3 above it, so a CUDA
-    graph of one capture size holds one path."""
-    monkeypatch.setattr(f"{SPLIT_KV_OPS}.SPLIT_KV_MAX_ROW_HEADS", 12 * NUM_HEADS)
-    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
-                              num_speculative_tokens=NUM_SPEC)
-    gen = torch.Generator().manual_seed(0)
-    for num_rows in (4, 12, 13, 16):
-        seen = set()
-        for trial in range(4):
-            causal = bool(trial % 2)
-            if causal:  # a random split into requests of 1..4 tokens
-                query_lens, left = [], num_rows
-                while left:
-                    query_lens.append(min(left, int(torch.randint(1, 5, (),
-                                                                  generator=gen))))
-                    left -= query_lens[-1]
-            else:  # draft blocks are uniform: any q_len <= 4 dividing the rows
-                q_len = max(n for n in range(1, 5) if num_rows % n == 0)
-                query_lens = [q_len] * (num_rows // q_len)
-            seq_lens = [int(n) + q for n, q in zip(
-                torch.randint(0, 600, (len(query_lens),), generator=gen), query_lens)]
-            seen.add(_planned_path(sm90, config, seq_lens, query_lens,
-                                   causal=causal, seed=trial))
-        expected = "TritonMLASplitKV" if num_rows <= 12 else "FlashInferSm90MLA"
-        assert seen == {expected}, (num_rows, seen)
-
-
-def test_sm90_path_follows_the_ranks_share_of_max_model_len(sm90, tmp_path,
-                                                            monkeypatch):
-    """The rule's local-length bound is checked against rank 0's share of
-    ``max_model_len`` (DCP 2, interleave 1: half, rounded up), not against
-    the batch's lengths: split-KV at a bound of that share, FA3 one below."""
-    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
-                              num_speculative_tokens=NUM_SPEC)
-    share = -(-config.model_config.max_model_len // 2)
-    for bound, expected in ((share, "TritonMLASplitKV"),
-                            (share - 1, "FlashInferSm90MLA")):
-        monkeypatch.setattr(f"{SPLIT_KV_OPS}.SPLIT_KV_MAX_LOCAL_LEN", bound)
-        path = _planned_path(sm90, config, [40, 300], [2, 2], causal=True, seed=0)
-        assert path == expected, (bound, share, path)
-
-
-@pytest.mark.parametrize("path", ["fa3", "split"])
-def test_layer_refuses_a_forward_the_builder_did_not_plan(sm90, tmp_path,
-                                                          monkeypatch, path):
+def test_layer_refuses_a_forward_the_builder_did_not_plan(sm90, tmp_path):
     """The layers never plan: metadata of a build whose plan was replaced by a
-    later build (a stale forward) is refused, loudly, on either path."""
-    _force_path(sm90, monkeypatch, path)
+    later build (a stale forward) is refused, loudly."""
     config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
                               num_speculative_tokens=NUM_SPEC)
     seq_lens, query_lens = CASES["uniform"]

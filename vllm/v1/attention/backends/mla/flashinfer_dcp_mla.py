@@ -13,17 +13,13 @@ any ``--cp-kv-cache-interleave-size``:
 - sm90 (Hopper, which no upstream backend serves for a DSpark draft under
   DCP): planned by the builder once per forward from host data (no
   device-to-host sync of ours) and only run by every layer, so uniform
-  decode batches replay in full CUDA graphs; natural-log LSE. Which of two
-  paths a forward takes depends on its padded row count and fixed config
-  only (``triton_mla_split_kv.split_kv_preferred``): while the rows x heads
-  are few and the rank's share of ``max_model_len`` is short (the shapes
-  where it measured faster), a split-KV Triton decode over the rows (each
-  row's local keys cut into chunks attended by separate programs, then
-  merged); otherwise FlashInfer's FA3 MLA (``BatchMLAPagedAttentionWrapper``)
-  over one segment per request on a host-known lower bound of the local
-  keys all its tokens share (the KV is read once, as in FlashInfer's own
-  multi-token decode), plus each token's remaining keys, attended and merged
-  by one Triton launch over all rows.
+  decode batches replay in full CUDA graphs; natural-log LSE. FlashInfer's
+  FA3 MLA (``BatchMLAPagedAttentionWrapper``) over one segment per request
+  on a host-known lower bound of the local keys all its tokens share (the
+  KV is read once, as in FlashInfer's own multi-token decode), plus each
+  token's remaining keys, attended and merged by one Triton launch over all
+  rows. Every shape vLLM captures in a CUDA graph is planned on a
+  FlashInfer CUDA-graph wrapper of its own (``build_for_cudagraph_capture``).
   On sm90 the rows are built at DCP size 1 too (the trtllm-gen path is
   sm100-only).
 
@@ -81,27 +77,6 @@ def _current_dcp_size() -> int:
     return 1 if config is None else config.parallel_config.decode_context_parallel_size
 
 
-def _sm90_num_sms(device: torch.device) -> int:
-    """SMs of the builder's GPU (an H100/H200's 132 off CUDA, for tests)."""
-    from vllm.v1.attention.ops.triton_mla_split_kv import SM90_NUM_SMS
-
-    if torch.device(device).type != "cuda":
-        return SM90_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _uniform_query_len(query_start_loc_cpu: torch.Tensor) -> int:
-    """n when every decode request with query tokens has n of them (a uniform
-    batch, as every CUDA-graph replay is; its rows then come in request
-    groups of n from row 0, padding after), else 1. From the host offsets,
-    which on sm90 equal the device's (the backend refuses a mismatch)."""
-    q_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-    q_lens = q_lens[q_lens > 0]
-    if q_lens.numel() == 0 or not bool((q_lens == q_lens[0]).all()):
-        return 1
-    return int(q_lens[0])
-
-
 def _check(vllm_config: VllmConfig, dcp_size: int, gpu_major: int | None,
            layer_names: list[str]) -> None:
     """``dcp_size``: the DCP size the builder runs at (vLLM >= 0.33 builds a
@@ -156,8 +131,8 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         if checks.current_gpu_major() == 9:
-            # sm90 (DCP > 1 only): the builder plans split-KV or FA3 from
-            # host data into persistent buffers and every layer only runs,
+            # sm90 (DCP > 1 only): the builder plans FA3 from host data
+            # into persistent buffers and every layer only runs,
             # so a uniform decode batch (every segment q_len tokens) replays
             # in a graph.
             dcp_size = (vllm_config.parallel_config.decode_context_parallel_size
@@ -237,46 +212,6 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
                 f"group; its layers have {sorted(map(str, scales))}")
         return scales.pop()
 
-    def _sm90_max_local_len(self, decode: DCPDecodeMetadata) -> int:
-        """Most KV tokens of one sequence any rank holds: rank 0's share of
-        ``max_model_len`` (rank 0 holds the largest share of any length)."""
-        return int(decode.layout.with_rank(0).local_seq_lens(
-            torch.tensor(self.vllm_config.model_config.max_model_len)))
-
-    def _sm90_uses_split_kv(self, decode: DCPDecodeMetadata, num_rows: int) -> bool:
-        """This forward's sm90 path: split-KV or FA3 prefix+tail, by the
-        padded row count and fixed config only (``split_kv_preferred``), so
-        that a CUDA graph of one capture size always holds one path."""
-        from vllm.v1.attention.ops.triton_mla_split_kv import split_kv_preferred
-
-        return split_kv_preferred(num_rows, self.num_heads * self.dcp_world_size,
-                                  self._sm90_max_local_len(decode))
-
-    def _sm90_split_kernel(self, decode: DCPDecodeMetadata):
-        """The group's split-KV kernel object, made on the first plan that
-        takes that path; its partial buffers are sized for every row count
-        that does, and its split count follows the row count, the rows per
-        program (a uniform batch's query length, else 1) and the rank's share
-        of ``max_model_len`` only."""
-        from vllm.v1.attention.ops import triton_mla_split_kv as splitkv
-
-        kernel = decode.kernel_state.get("split_kv_sm90")
-        if kernel is not None:
-            return kernel
-        num_heads = self.num_heads * self.dcp_world_size
-        num_sms = _sm90_num_sms(self.device)
-        kernel = splitkv.TritonMLASplitKV(
-            num_heads=num_heads, sm_scale=self._sm90_scale(),
-            dtype=self.vllm_config.model_config.dtype,
-            kv_lora_rank=self.mla_dims.kv_lora_rank,
-            rope_dim=self.mla_dims.qk_rope_head_dim,
-            max_rows=min(max(self._dcp_row_capacity(), decode.flat.num_rows),
-                         num_sms),
-            max_local_len=self._sm90_max_local_len(decode), device=self.device, num_sms=num_sms,
-            max_rows_per_program=self._dcp_query_len_bound())
-        decode.kernel_state["split_kv_sm90"] = kernel
-        return kernel
-
     def _sm90_kernel(self, decode: DCPDecodeMetadata):
         """The group's FA3 kernel object, made on the first plan that takes
         the prefix+tail path; its buffers are sized for the largest decode
@@ -303,24 +238,16 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
     def _plan_sm90(self, decode: DCPDecodeMetadata, block_table: torch.Tensor,
                    query_start_loc_cpu: torch.Tensor, num_rows: int) -> None:
         """Plan this forward once for every layer of the group, from host data
-        (no device-to-host sync here): split-KV over the rows where
-        ``split_kv_preferred`` picks it, else FA3 prefix segments + Triton
-        tails."""
+        (no device-to-host sync here): FA3 prefix segments + Triton tails."""
         rows = decode.flat.slice(num_rows)
-        if self._sm90_uses_split_kv(decode, num_rows):
-            kernel = self._sm90_split_kernel(decode)
-            kernel.plan(rows.seq_lens, rows.block_table, num_rows=num_rows,
-                        rows_per_program=_uniform_query_len(query_start_loc_cpu),
-                        row_to_req=rows.row_to_req)
-        else:
-            kernel = self._sm90_kernel(decode)
-            host = self._host_seq_lens
-            if host is None:  # vLLM kept no host copy: read the device's (a sync)
-                host = decode.dcp_tot_seq_lens.cpu()
-            kernel.plan_rows(query_start_loc_cpu, host, block_table, rows,
-                             num_rows=num_rows, causal=decode.causal,
-                             slack=self._sm90_host_slack, layout=decode.layout,
-                             for_graph=self._sm90_for_graph)
+        kernel = self._sm90_kernel(decode)
+        host = self._host_seq_lens
+        if host is None:  # vLLM kept no host copy: read the device's (a sync)
+            host = decode.dcp_tot_seq_lens.cpu()
+        kernel.plan_rows(query_start_loc_cpu, host, block_table, rows,
+                         num_rows=num_rows, causal=decode.causal,
+                         slack=self._sm90_host_slack, layout=decode.layout,
+                         for_graph=self._sm90_for_graph)
         kernel.planned_forward_id = decode.forward_id
         decode.kernel_state["sm90_planned"] = kernel
 
@@ -328,7 +255,8 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
 class FlashInferDCPMLAImpl(FlashInferMLAImpl):
     """FlashInfer-MLA decode over the per-forward DCP rows."""
 
-    # Both kernels used on the rows report natural-log LSE.
+    # The kernels on the rows (CuTe DSL on sm100, FA3 + tails on sm90)
+    # report natural-log LSE.
     lse_base_on_e: ClassVar[bool] = True
     # Every query token is its own row with its own local bound, so causal
     # verify and draft blocks work at any --cp-kv-cache-interleave-size
@@ -395,8 +323,8 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
         return out.view(num_rows, q.shape[1], -1), lse.view(num_rows, q.shape[1])
 
     def _decode_rows_sm90(self, q, kv_cache, decode: DCPDecodeMetadata):
-        """Split-KV or FA3 prefix + Triton tails, as the builder planned this
-        forward; the layer only runs (capturable in a CUDA graph)."""
+        """FA3 prefix + Triton tails, as the builder planned this forward;
+        the layer only runs (capturable in a CUDA graph)."""
         kernel = decode.kernel_state.get("sm90_planned")
         if kernel is None or getattr(kernel, "planned_forward_id", None) != decode.forward_id:
             raise RuntimeError(

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The H200 entry script: vLLM 0.32.0's Python tree + this overlay + FlashInfer
+# from the carried bundle (gpu/README.md), then the named steps, each under a
+# timeout, output under $OUT.
+#
+#   bash gpu/device_run.sh [tests] [bench] [decode]      (repo root, on the
+#                                                         device; carry [".bundle"])
+#   tests   the CUDA tests: FLASHINFER_MLA (sm90) and TRITON_MLA through
+#           vLLM's classes (builders, forward_mqa, the selector, CUDA graphs
+#           at every shape vLLM's CudaGraphManager captures), FA3 under DCP
+#           against dense attention, the FA3 adapter
+#   bench   benchmarks/hopper_rows.py: FA3 vs TRITON_MLA rows bf16 / fp8 per
+#           layer at the deployed head count (96)
+#   decode  benchmarks/decode_step.py: 61-layer steps at 96 heads, batch 1
+set -u
+OUT=${OUT:-.out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/vllm_on_device.sh" || exit 1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+for step in "${@:-tests}"; do
+  echo "=== $step"
+  case $step in
+    tests) timeout 400 python3 -m pytest -q -p no:cacheprovider -W ignore \
+             tests/gpu/test_sm90_vllm_backend.py tests/test_triton_dcp_mla.py \
+             tests/gpu/test_flashinfer_sm90_dcp.py tests/test_flashinfer_sm90_mla.py \
+             2>&1 | tee "$OUT/tests.txt" | tail -5 ;;
+    bench) PYTHONPATH=$PYTHONPATH:tests timeout 300 python3 -m benchmarks.hopper_rows \
+             --out-dir "$OUT" 2>&1 | tee "$OUT/hopper_rows.txt" | grep -v -i warn ;;
+    decode) timeout 200 python3 -m benchmarks.decode_step --heads 96 --batch 1 \
+             --ctx 32768 262144 --world 1 8 --layers 61 --out-dir "$OUT" 2>&1 \
+             | grep -v -i warn | tail -12 ;;
+    *) echo "unknown step $step (tests, bench, decode)"; exit 2 ;;
+  esac
+done
