@@ -228,7 +228,7 @@ def _e2e(causal: bool):
             out, lse = impl.forward_mqa(batch.q.bfloat16().cuda(),
                                         cache.bfloat16().cuda(), metadata, layer)
             print(f"  rank {layout.rank}: planned",
-                  type(metadata.decode.kernel_state["sm90_planned"]).__name__)
+                  type(metadata.decode.plan).__name__)
             return out.float().cpu(), lse.float().cpu()
 
     out, lse = decode_on_simulated_ranks(batch.kv_cache, batch.block_table,

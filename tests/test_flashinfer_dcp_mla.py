@@ -149,7 +149,7 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0,
             results = [impl.forward_mqa(q, cache.bfloat16(), metadata, _layer())
                        for _ in layer_names]
             plans.append(sum(c[0] == "plan" for c in _FakeWrapper.calls) - before)
-            kernel = metadata.decode.kernel_state["sm90_planned"]
+            kernel = metadata.decode.plan
             planned.append(type(kernel).__name__)
         for out, lse in results[1:]:
             assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
@@ -279,7 +279,7 @@ def test_sm90_graph_wrappers_cover_every_shape_vllm_captures(sm90, tmp_path,
                 common.max_query_len = query_len
                 metadata = (builder.build_for_cudagraph_capture(common) if seed is None
                             else builder.build(0, common))
-                kernel = metadata.decode.kernel_state["sm90_planned"]
+                kernel = metadata.decode.plan
                 wrappers.append(kernel._wrapper)
             assert wrappers[0] is not kernel._eager_wrapper, (role, num_tokens, num_reqs)
             assert wrappers[1] is wrappers[0], (role, num_tokens, num_reqs)

@@ -312,11 +312,11 @@ def test_eager_forwards_merge_to_dense(tmp_path, world, interleave, draft):
         per_rank = []
         for rank, state in enumerate(sim.ranks):
             with sim.rank_context(rank):
-                kernel = state.builder._dcp_kernel_state.get("fa3_sm90")
+                kernel = state.builder._fa3
                 before = kernel.fa3_plans if kernel is not None else 0
                 metadata = state.builder.build(0, sim.common(rank, batch))
                 per_rank.append(sim.forward(rank, metadata, batch.num_tokens))
-                kernel = metadata.decode.kernel_state["sm90_planned"]
+                kernel = metadata.decode.plan
                 assert type(kernel).__name__ == "FlashInferSm90MLA"
                 assert kernel.fa3_plans - before == expected_plans, (rank, seq_lens_i)
         check_merged(sim, batch, per_rank)

@@ -333,6 +333,7 @@ class FlashInferSm90MLA:
         self.tail_args = dict(keys_per_step=tail_keys_per_step,
                               num_stages=tail_num_stages)
         self.fa3_plans = 0
+        self.planned_forward_id = 0  # set by the metadata builder per plan
         # id(wrapper) -> (qo_indptr, kv_indptr, kv_lens) of its last plan.
         self._schedules: dict[int, tuple[torch.Tensor, ...]] = {}
         self._fixed_capacity = max_rows is not None and max_cols is not None

@@ -12,8 +12,8 @@ the DCP combine read the same ``DCPDecodeMetadata`` object.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -23,6 +23,20 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, FlatDecode
+
+
+class RowDecodePlan(Protocol):
+    """A kernel object planned by the metadata builder once per forward from
+    host data and run by every layer (``FlashInferSm90MLA``)."""
+
+    sm_scale: float
+    planned_forward_id: int  # the ``forward_id`` of its last plan
+
+    def run(self, q: torch.Tensor,
+            kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [T, H, Dv], lse [T, H] float32, natural log)`` of the
+        planned rows for one layer."""
+        ...
 
 
 @dataclass
@@ -45,10 +59,10 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
             query length (the builder's argument); the device offsets may be
             ragged below it even where the host offsets are uniform.
         layout: the DCP split the rows were built for, seen from this rank.
-        forward_id: distinct for every ``build``; a kernel that plans per
-            forward (FlashInfer's Hopper MLA) re-plans when it changes.
-        kernel_state: owned by the builder and shared by every forward of the
-            KV-cache group: where a backend keeps its per-group kernel objects.
+        forward_id: distinct for every ``build``.
+        plan: the kernel object the builder planned for this forward, which
+            every layer only runs (sm90 FLASHINFER_MLA); None where the
+            layers call their kernel directly.
     """
 
     flat: FlatDecode
@@ -57,7 +71,8 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
     max_query_len: int
     layout: DCPLayout
     forward_id: int = 0
-    kernel_state: dict[Any, Any] = field(default_factory=dict)
+    plan: RowDecodePlan | None = None
+
 
 
 class DCPDecodeBuilderMixin:
@@ -89,7 +104,6 @@ class DCPDecodeBuilderMixin:
                                     self.cp_kv_cache_interleave_size)
         self._dcp_causal = True
         self._dcp_forward_ids = itertools.count(1)
-        self._dcp_kernel_state: dict[Any, Any] = {}
         # Sized once, before any CUDA graph is captured: a graph replays
         # into these exact tensors.
         self._dcp_rows: FlatDecode | None = None
@@ -235,5 +249,4 @@ class DCPDecodeBuilderMixin:
             max_query_len=max_query_len,
             layout=self.dcp_layout,
             forward_id=next(self._dcp_forward_ids),
-            kernel_state=self._dcp_kernel_state,
         )

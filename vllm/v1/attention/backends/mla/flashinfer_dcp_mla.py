@@ -127,6 +127,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         self._sm90_layer_names = list(layer_names)  # their impls' scale
         self._sm90_for_graph = False
         self._sm90_host_slack = self._host_length_slack()
+        self._fa3 = None  # the group's FlashInferSm90MLA, made on the first plan
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -213,14 +214,12 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         return scales.pop()
 
     def _sm90_kernel(self, decode: DCPDecodeMetadata):
-        """The group's FA3 kernel object, made on the first plan that takes
-        the prefix+tail path; its buffers are sized for the largest decode
-        batch."""
+        """The group's FA3 kernel object, made on the first plan; its buffers
+        are sized for the largest decode batch."""
         from vllm.v1.attention.ops import flashinfer_sm90_mla as fa3
 
-        kernel = decode.kernel_state.get("fa3_sm90")
-        if kernel is not None:
-            return kernel
+        if self._fa3 is not None:
+            return self._fa3
         rows = decode.flat
         # No CUDA-graph wrapper up front: a plan for capture
         # (``build_for_cudagraph_capture``) makes the one of its segment count.
@@ -232,7 +231,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             rope_dim=self.mla_dims.qk_rope_head_dim,
             max_rows=max(self._dcp_row_capacity(), rows.num_rows),
             max_cols=rows.block_table.shape[1], graph_segment_counts=set())
-        decode.kernel_state["fa3_sm90"] = kernel
+        self._fa3 = kernel
         return kernel
 
     def _plan_sm90(self, decode: DCPDecodeMetadata, block_table: torch.Tensor,
@@ -249,7 +248,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
                          slack=self._sm90_host_slack, layout=decode.layout,
                          for_graph=self._sm90_for_graph)
         kernel.planned_forward_id = decode.forward_id
-        decode.kernel_state["sm90_planned"] = kernel
+        decode.plan = kernel
 
 
 class FlashInferDCPMLAImpl(FlashInferMLAImpl):
@@ -325,8 +324,8 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
     def _decode_rows_sm90(self, q, kv_cache, decode: DCPDecodeMetadata):
         """FA3 prefix + Triton tails, as the builder planned this forward;
         the layer only runs (capturable in a CUDA graph)."""
-        kernel = decode.kernel_state.get("sm90_planned")
-        if kernel is None or getattr(kernel, "planned_forward_id", None) != decode.forward_id:
+        kernel = decode.plan
+        if kernel is None or kernel.planned_forward_id != decode.forward_id:
             raise RuntimeError(
                 "FLASHINFER_MLA on sm90: no plan for this forward; the "
                 "metadata builder plans once per forward before the layers run")
