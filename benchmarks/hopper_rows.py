@@ -41,20 +41,14 @@ HBM_TBS, BF16_TFLOPS = 4.25, 790.0
 
 
 def make_triton_impl(heads: int, scale: float, kv_cache_dtype: str):
-    from builder_harness import fake_dcp_group
-
-    from vllm.v1.attention.backends.mla.triton_dcp_mla import TritonDCPMLAImpl
+    from builder_harness import fake_dcp_group, make_mla_impl
 
     from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backends.mla.triton_dcp_mla import TritonDCPMLAImpl
 
     with fake_dcp_group(8, 0), set_current_vllm_config(VllmConfig()):
-        return TritonDCPMLAImpl(
-            num_heads=heads, head_size=DV + DR, scale=scale, num_kv_heads=1,
-            alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv_cache_dtype,
-            logits_soft_cap=None, attn_type="decoder",
-            kv_sharing_target_layer_name=None, q_lora_rank=None, kv_lora_rank=DV,
-            qk_nope_head_dim=128, qk_rope_head_dim=DR, qk_head_dim=128 + DR,
-            v_head_dim=128, kv_b_proj=None)
+        return make_mla_impl(TritonDCPMLAImpl, num_heads=heads, scale=scale,
+                             kv_cache_dtype=kv_cache_dtype)
 
 
 def point(batch: int, local: int, q_len: int, causal: bool, heads: int, paths, gen):

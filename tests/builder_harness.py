@@ -134,6 +134,19 @@ def make_builder(builder_cls, vllm_config, *, layer_names=("model.layers.0.attn"
                            torch.device(device), **kwargs)
 
 
+def make_mla_impl(impl_cls, *, num_heads: int, scale: float,
+                  kv_cache_dtype: str = "auto"):
+    """An MLA attention impl of the tiny model's dims (a 512 + 64 latent,
+    qk_nope 128, v 128), as ``MLAAttention`` constructs its backend's impl."""
+    return impl_cls(
+        num_heads=num_heads, head_size=KV_LORA_RANK + ROPE_DIM, scale=scale,
+        num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+        kv_cache_dtype=kv_cache_dtype, logits_soft_cap=None, attn_type="decoder",
+        kv_sharing_target_layer_name=None, q_lora_rank=None,
+        kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM,
+        qk_head_dim=128 + ROPE_DIM, v_head_dim=128, kv_b_proj=None)
+
+
 def _offsets(query_lens) -> torch.Tensor:
     qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.as_tensor(query_lens, dtype=torch.int32), 0)

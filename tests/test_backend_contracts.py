@@ -23,11 +23,10 @@ import pytest
 import torch
 
 from builder_harness import (attention_group, common_metadata,
-                             expected_local_row_lens, fake_dcp_group, make_builder,
+                             expected_local_row_lens, fake_dcp_group, make_mla_impl,
                              make_vllm_config, shard_layers, step_metadata)
-from builder_harness import _rounded
 from builder_harness import layer_batches as harness_layer_batches
-from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
+from dense_reference import full_attention
 from kernel_stubs import TokenspeedMLAReference, TrtllmMLAReference, import_on_cpu
 from vllm.v1.attention.ops import dcp_decode
 
@@ -85,15 +84,8 @@ def backend(request):
 
 
 def _make_impl(backend, scale):
-    impl_cls = backend.backend.get_impl_cls()
-    return impl_cls(
-        num_heads=NUM_HEADS, head_size=KV_LORA_RANK + ROPE_DIM, scale=scale,
-        num_kv_heads=1, alibi_slopes=None, sliding_window=None,
-        kv_cache_dtype=backend.kv_cache_dtype, logits_soft_cap=None,
-        attn_type="decoder", kv_sharing_target_layer_name=None, q_lora_rank=None,
-        kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM,
-        qk_head_dim=128 + ROPE_DIM, v_head_dim=128, kv_b_proj=None)
-
+    return make_mla_impl(backend.backend.get_impl_cls(), num_heads=NUM_HEADS,
+                         scale=scale, kv_cache_dtype=backend.kv_cache_dtype)
 
 def _layer():
     upstream_combine = mock.Mock(name="upstream_combine")

@@ -20,7 +20,8 @@ from unittest import mock
 import pytest
 import torch
 
-from builder_harness import fake_dcp_group, make_builder, make_vllm_config
+from builder_harness import (fake_dcp_group, make_builder, make_mla_impl,
+                             make_vllm_config)
 from cuda_selection import as_cuda_gpu, plugin_registered, select_mla_backend
 from dense_reference import KV_LORA_RANK, ROPE_DIM
 from kernel_stubs import import_on_cpu
@@ -130,6 +131,8 @@ def test_sm90_draft_without_block_size_judged_at_its_block_size(tmp_path):
         assert not config.cache_config.user_specified_block_size
         config.cache_config.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
         with plugin_registered(True):
+            # vLLM's DSpark loader gives the draft its attention_backend.
+            config.attention_config.backend = _backend_enum("FLASHINFER_MLA")
             draft = select_mla_backend(config, 9, non_causal=True)
         if block % interleave:
             assert isinstance(draft, ValueError)
@@ -167,14 +170,7 @@ def _make_impl(module, cls_name, kv_cache_dtype):
 
 
 def _construct(impl_cls, kv_cache_dtype):
-    return impl_cls(
-        num_heads=8, head_size=KV_LORA_RANK + ROPE_DIM, scale=0.1, num_kv_heads=1,
-        alibi_slopes=None, sliding_window=None, kv_cache_dtype=kv_cache_dtype,
-        logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
-        q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128,
-        qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM, v_head_dim=128,
-        kv_b_proj=None)
-
+    return make_mla_impl(impl_cls, num_heads=8, scale=0.1, kv_cache_dtype=kv_cache_dtype)
 
 def _cp_check(config, impls):
     """vLLM's own ``check_attention_cp_compatibility`` over layers with these impls."""

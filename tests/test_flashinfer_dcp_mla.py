@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from builder_harness import (
-    TINY_MLA_CONFIG, common_metadata, fake_dcp_group, make_builder, make_vllm_config)
-from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
+    TINY_MLA_CONFIG, common_metadata, fake_dcp_group, make_builder, make_mla_impl,
+    make_vllm_config)
+from dense_reference import full_attention, random_decode_batch
 from kernel_stubs import import_on_cpu
 from test_flashinfer_sm90_mla import _FakeWrapper, fake_flashinfer_package
 from triton_interpreted import (
@@ -60,14 +61,7 @@ def sm90(monkeypatch):
 
 
 def _make_impl(module, scale):
-    return module.FlashInferDCPMLAImpl(
-        num_heads=NUM_HEADS, head_size=KV_LORA_RANK + ROPE_DIM, scale=scale,
-        num_kv_heads=1, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
-        logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
-        q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128,
-        qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM, v_head_dim=128,
-        kv_b_proj=None)
-
+    return make_mla_impl(module.FlashInferDCPMLAImpl, num_heads=NUM_HEADS, scale=scale)
 
 def _layer():
     return SimpleNamespace(_q_scale_float=1.0, _k_scale_float=1.0,

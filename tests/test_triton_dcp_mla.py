@@ -32,7 +32,7 @@ from triton_interpreted import (
 enable_vllm_triton_kernels()  # before vLLM's Triton kernels are imported
 
 from builder_harness import (  # noqa: E402
-    common_metadata, fake_dcp_group, make_builder, make_vllm_config)
+    common_metadata, fake_dcp_group, make_builder, make_mla_impl, make_vllm_config)
 from dense_reference import (  # noqa: E402
     KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch)
 from vllm.v1.attention.backends.mla import triton_mla  # noqa: E402
@@ -69,14 +69,8 @@ def _config(tmp_path, *, world, interleave, kv_cache_dtype="auto", dspark=False)
 
 
 def _make_impl(impl_cls, kv_cache_dtype="auto"):
-    return impl_cls(
-        num_heads=NUM_HEADS, head_size=KV_LORA_RANK + ROPE_DIM, scale=SCALE,
-        num_kv_heads=1, alibi_slopes=None, sliding_window=None,
-        kv_cache_dtype=kv_cache_dtype, logits_soft_cap=None, attn_type="decoder",
-        kv_sharing_target_layer_name=None, q_lora_rank=None,
-        kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128, qk_rope_head_dim=ROPE_DIM,
-        qk_head_dim=128 + ROPE_DIM, v_head_dim=128, kv_b_proj=None)
-
+    return make_mla_impl(impl_cls, num_heads=NUM_HEADS, scale=SCALE,
+                         kv_cache_dtype=kv_cache_dtype)
 
 def _layer(k_scale=1.0):
     return SimpleNamespace(_k_scale=torch.tensor(k_scale, device=DEVICE),

@@ -47,9 +47,10 @@ pytest.importorskip("flashinfer.mla")
 pytest.importorskip("vllm.v1.worker.gpu.cudagraph_utils")
 
 from builder_harness import (  # noqa: E402
-    TINY_MLA_CONFIG, common_metadata, fake_dcp_group, make_builder, make_vllm_config)
+    TINY_MLA_CONFIG, common_metadata, fake_dcp_group, make_builder, make_mla_impl,
+    make_vllm_config)
 from dense_reference import (  # noqa: E402
-    KV_LORA_RANK, LATENT, ROPE_DIM, DecodeBatch, full_attention)
+    LATENT, DecodeBatch, full_attention)
 from vllm_capture_shapes import full_decode_shapes  # noqa: E402
 
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, merge_partials  # noqa: E402
@@ -76,14 +77,7 @@ def _module():
 
 
 def _make_impl(module):
-    return module.FlashInferDCPMLAImpl(
-        num_heads=NUM_HEADS, head_size=LATENT, scale=SCALE, num_kv_heads=1,
-        alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto",
-        logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
-        q_lora_rank=None, kv_lora_rank=KV_LORA_RANK, qk_nope_head_dim=128,
-        qk_rope_head_dim=ROPE_DIM, qk_head_dim=128 + ROPE_DIM, v_head_dim=128,
-        kv_b_proj=None)
-
+    return make_mla_impl(module.FlashInferDCPMLAImpl, num_heads=NUM_HEADS, scale=SCALE)
 
 def _layer():
     return SimpleNamespace(_q_scale_float=1.0, _k_scale_float=1.0,
