@@ -36,6 +36,7 @@ if not (importlib.util.find_spec("flashinfer") and importlib.util.find_spec("tok
     pytest.skip("flashinfer-python and tokenspeed-mla are needed for the kernel "
                 "contracts (bash .ci/install installs them)", allow_module_level=True)
 
+
 NUM_HEADS = 8
 BLOCK_SIZE = 64
 NUM_LAYERS = 3
@@ -86,6 +87,7 @@ def backend(request):
 def _make_impl(backend, scale):
     return make_mla_impl(backend.backend.get_impl_cls(), num_heads=NUM_HEADS,
                          scale=scale, kv_cache_dtype=backend.kv_cache_dtype)
+
 
 def _layer():
     upstream_combine = mock.Mock(name="upstream_combine")

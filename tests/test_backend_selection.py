@@ -172,6 +172,7 @@ def _make_impl(module, cls_name, kv_cache_dtype):
 def _construct(impl_cls, kv_cache_dtype):
     return make_mla_impl(impl_cls, num_heads=8, scale=0.1, kv_cache_dtype=kv_cache_dtype)
 
+
 def _cp_check(config, impls):
     """vLLM's own ``check_attention_cp_compatibility`` over layers with these impls."""
     from vllm.config import set_current_vllm_config
@@ -425,6 +426,7 @@ def test_readme_hopper_fp8_recipe_is_vllms_cli():
     assert (args.kv_cache_dtype, args.kv_cache_dtype_skip_layers) == ("fp8", ["61"])
     assert args.decode_context_parallel_size == 8
     assert args.speculative_config["attention_backend"] == "FLASHINFER_MLA"
+
 
 @pytest.mark.parametrize("major", [8, 12])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

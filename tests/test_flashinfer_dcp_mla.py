@@ -63,6 +63,7 @@ def sm90(monkeypatch):
 def _make_impl(module, scale):
     return make_mla_impl(module.FlashInferDCPMLAImpl, num_heads=NUM_HEADS, scale=scale)
 
+
 def _layer():
     return SimpleNamespace(_q_scale_float=1.0, _k_scale_float=1.0,
                            dcp_manager=SimpleNamespace(combine=mock.Mock()))

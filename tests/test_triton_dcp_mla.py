@@ -72,6 +72,7 @@ def _make_impl(impl_cls, kv_cache_dtype="auto"):
     return make_mla_impl(impl_cls, num_heads=NUM_HEADS, scale=SCALE,
                          kv_cache_dtype=kv_cache_dtype)
 
+
 def _layer(k_scale=1.0):
     return SimpleNamespace(_k_scale=torch.tensor(k_scale, device=DEVICE),
                            _k_scale_float=k_scale)

@@ -79,6 +79,7 @@ def _module():
 def _make_impl(module):
     return make_mla_impl(module.FlashInferDCPMLAImpl, num_heads=NUM_HEADS, scale=SCALE)
 
+
 def _layer():
     return SimpleNamespace(_q_scale_float=1.0, _k_scale_float=1.0,
                            dcp_manager=SimpleNamespace(combine=mock.Mock()))
