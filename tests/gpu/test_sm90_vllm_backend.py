@@ -70,18 +70,30 @@ SCALE = 0.0721
 TARGET_LAYERS = TINY_MLA_CONFIG["num_hidden_layers"]
 
 
-def _module():
-    from vllm.v1.attention.backends.mla import flashinfer_dcp_mla
+# backend -> (module, builder class, impl class): this project's overrides.
+BACKENDS = {
+    "flashinfer": ("flashinfer_dcp_mla", "FlashInferDCPMLAMetadataBuilder",
+                   "FlashInferDCPMLAImpl"),
+    "triton": ("triton_dcp_mla", "TritonDCPMLAMetadataBuilder", "TritonDCPMLAImpl"),
+}
 
-    return flashinfer_dcp_mla
+
+def _module(backend="flashinfer"):
+    import importlib
+
+    return importlib.import_module(
+        f"vllm.v1.attention.backends.mla.{BACKENDS[backend][0]}")
 
 
-def _make_impl(module):
-    return make_mla_impl(module.FlashInferDCPMLAImpl, num_heads=NUM_HEADS, scale=SCALE)
+def _classes(backend):
+    module = _module(backend)
+    _, builder, impl = BACKENDS[backend]
+    return getattr(module, builder), getattr(module, impl)
 
 
 def _layer():
     return SimpleNamespace(_q_scale_float=1.0, _k_scale_float=1.0,
+                           _k_scale=torch.tensor(1.0, device=DEVICE),
                            dcp_manager=SimpleNamespace(combine=mock.Mock()))
 
 
@@ -90,7 +102,9 @@ class SimulatedRanks:
     persistent input buffers a model runner keeps (block table, lengths,
     query offsets, queries), all on the GPU."""
 
-    def __init__(self, tmp_path, *, world, interleave, draft, seed):
+    def __init__(self, tmp_path, *, world, interleave, draft, seed,
+                 backend="flashinfer"):
+        builder_cls, impl_cls = _classes(backend)
         self.world, self.interleave, self.draft = world, interleave, draft
         self.causal = not draft
         self.query_len = NUM_SPEC if draft else 1 + NUM_SPEC
@@ -121,10 +135,10 @@ class SimulatedRanks:
         self.ranks = []
         for rank in range(world):
             with self.rank_context(rank):
-                builder = make_builder(_module().FlashInferDCPMLAMetadataBuilder,
-                                       self.config, layer_names=self.layer_names,
+                builder = make_builder(builder_cls, self.config,
+                                       layer_names=self.layer_names,
                                        non_causal=draft, device=DEVICE)
-                impl = _make_impl(_module())
+                impl = make_mla_impl(impl_cls, num_heads=NUM_HEADS, scale=SCALE)
             width = builder._dcp_rows.block_table.shape[1]
             local_table = shards[0][rank][1]
             table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
@@ -278,9 +292,13 @@ def test_selector_picks_the_dcp_backend_for_the_draft_on_sm90(tmp_path):
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16), (8, 1)])
 @pytest.mark.parametrize("draft", [False, True], ids=["verify", "draft"])
-def test_eager_forwards_merge_to_dense(tmp_path, world, interleave, draft):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_eager_forwards_merge_to_dense(tmp_path, backend, world, interleave, draft):
+    """Four forwards per builder; on FLASHINFER_MLA each rank plans FA3 on
+    the first, reuses the plan on the second (new pages, same schedule) and
+    plans again after a page filled and after a request joined."""
     sim = SimulatedRanks(tmp_path, world=world, interleave=interleave, draft=draft,
-                         seed=world)
+                         seed=world, backend=backend)
     rng = random.Random(world * 10 + draft)
     q_len = sim.query_len
     query_lens = ([q_len] * 5 if draft else [5, 1, 3, 2, 4])
@@ -307,21 +325,29 @@ def test_eager_forwards_merge_to_dense(tmp_path, world, interleave, draft):
         per_rank = []
         for rank, state in enumerate(sim.ranks):
             with sim.rank_context(rank):
-                kernel = state.builder._fa3
+                kernel = getattr(state.builder, "_fa3", None)
                 before = kernel.fa3_plans if kernel is not None else 0
                 metadata = state.builder.build(0, sim.common(rank, batch))
                 per_rank.append(sim.forward(rank, metadata, batch.num_tokens))
-                kernel = metadata.decode.plan
-                assert type(kernel).__name__ == "FlashInferSm90MLA"
-                assert kernel.fa3_plans - before == expected_plans, (rank, seq_lens_i)
+                if backend == "flashinfer":
+                    kernel = metadata.decode.plan
+                    assert type(kernel).__name__ == "FlashInferSm90MLA"
+                    assert kernel.fa3_plans - before == expected_plans, (
+                        rank, seq_lens_i)
         check_merged(sim, batch, per_rank)
 
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16), (8, 1)])
 @pytest.mark.parametrize("draft", [False, True], ids=["verify", "draft"])
-def test_graphs_at_every_shape_vllm_captures(tmp_path, world, interleave, draft):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_graphs_at_every_shape_vllm_captures(tmp_path, backend, world, interleave,
+                                             draft):
+    """Replay equals the eager run of the same metadata: bitwise on
+    FLASHINFER_MLA; on TRITON_MLA within bf16 rounding (its split count is
+    set from the batch's max_seq_len, the captured dummy batch's in a
+    graph)."""
     sim = SimulatedRanks(tmp_path, world=world, interleave=interleave, draft=draft,
-                         seed=100 + world)
+                         seed=100 + world, backend=backend)
     rng = random.Random(world * 100 + draft)
     pool = torch.cuda.graph_pool_handle()
     captured = {}  # (rank, num_tokens) -> (graph, outputs)
@@ -361,8 +387,12 @@ def test_graphs_at_every_shape_vllm_captures(tmp_path, world, interleave, draft)
                 replayed = [(out.clone(), lse.clone()) for out, lse in outputs]
                 eager = sim.forward(rank, metadata, num_tokens)
             for (g_out, g_lse), (e_out, e_lse) in zip(replayed, eager):
-                assert torch.equal(g_out, e_out), (rank, num_tokens, num_reqs)
                 assert torch.equal(g_lse.isinf(), e_lse.isinf())
-                torch.testing.assert_close(g_lse, e_lse, atol=1e-5, rtol=0)
+                if backend == "flashinfer":
+                    assert torch.equal(g_out, e_out), (rank, num_tokens, num_reqs)
+                    torch.testing.assert_close(g_lse, e_lse, atol=1e-5, rtol=0)
+                else:
+                    torch.testing.assert_close(g_out, e_out, atol=2e-2, rtol=2e-2)
+                    torch.testing.assert_close(g_lse, e_lse, atol=1e-4, rtol=1e-4)
             per_rank.append(replayed)
         check_merged(sim, batch, per_rank)
