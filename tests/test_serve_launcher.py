@@ -338,3 +338,18 @@ def test_hopper_fp8_keeps_the_drafts_layers_bf16(tmp_path):
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     engine_args = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", *flags]))
     assert engine_args.kv_cache_dtype_skip_layers == ["2", "3"]
+
+
+@pytest.mark.parametrize("argv,backends", [
+    ([], (None, None)),
+    (["--cpu"], ("CPU_MLA", None)),
+    (["--cpu", "--draft", "org/draft"], ("CPU_MLA", "CPU_MLA")),
+    (["--cpu", "--attention-backend", "CPU_MLA", "--draft", "org/draft",
+      "--draft-attention-backend", "CPU_MLA"], ("CPU_MLA", "CPU_MLA")),
+    (["--draft", "org/draft"], (None, None)),
+])
+def test_cpu_serves_target_and_draft_with_cpu_mla(argv, backends, model):
+    """On a CPU with AMX tiles vLLM would pick AMX_MLA (no DCP) for the target
+    and a DSpark draft: --cpu names CPU_MLA for both unless told."""
+    args = serve.build_parser().parse_args(["--model", model] + argv)
+    assert serve.cpu_attention_backends(args) == backends

@@ -69,7 +69,9 @@ def main() -> None:
             "prompt_lookup_max": 4,
         }
     if args.draft:
-        kwargs["speculative_config"] = {"method": "dspark", "model": args.draft}
+        # The draft's layers do not take the target's backend: name it too.
+        kwargs["speculative_config"] = {"method": "dspark", "model": args.draft,
+                                        "attention_backend": "CPU_MLA"}
     speculating = bool(args.ngram or args.draft)
     start = time.perf_counter()
     llm = LLM(
@@ -77,6 +79,10 @@ def main() -> None:
         dtype="float32",
         tensor_parallel_size=args.tp,
         decode_context_parallel_size=args.dcp,
+        # CPU_MLA at every -dcp, as an operator on a CPU with AMX tiles passes
+        # it: vLLM would pick AMX_MLA there (no DCP, bf16 only), and the -dcp 1
+        # baselines must run the backend the -dcp 2 engines run.
+        attention_backend="CPU_MLA",
         cp_kv_cache_interleave_size=args.interleave,
         block_size=16,
         enforce_eager=True,

@@ -30,7 +30,9 @@ def test_real_vllm_serve_failure_is_reported(tmp_path, capsys):
     code = serve.main(["--model", str(model), "--tp", "2", "--dcp", "2",
                        "--interleave", "48", "--port", str(serve.free_port()),
                        "--ready-timeout", "300", "--log", str(log), "--",
-                       "--dtype", "float32", "--skip-tokenizer-init"])
+                       "--dtype", "float32", "--skip-tokenizer-init",
+                       # on a CPU with AMX tiles vLLM would pick AMX_MLA
+                       "--attention-backend", "CPU_MLA"])
     elapsed = time.monotonic() - t0
     assert code == 1
     err = capsys.readouterr().err

@@ -16,7 +16,9 @@ naming that switch.
 
 Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
   * CPU: the MLA backend vLLM's own selector picks (``CPU_MLA``, the one
-    this patch gives DCP, or ``AMX_MLA`` on CPUs with AMX tiles).
+    this patch gives DCP, or ``AMX_MLA`` on CPUs with AMX tiles unless
+    ``--attention-backend CPU_MLA`` is given), for the target's layers and
+    a DSpark draft's (``attention_backend`` in ``--speculative-config``).
   * CUDA: ``FLASHINFER_MLA`` / ``TOKENSPEED_MLA`` when named by
     ``--attention-backend`` or the draft's ``attention_backend`` in
     ``--speculative-config``, with the block size vLLM will pick for them
@@ -46,10 +48,22 @@ def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
     """Overridden MLA backends this config will run DCP on, known now."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    if platform.is_cpu():
-        return [_BackendChoice(_cpu_mla_backend(vllm_config), "vLLM on this CPU")]
-    chosen = []
     spec = vllm_config.speculative_config
+    if platform.is_cpu():
+        # vLLM's CPU selector follows --attention-backend CPU_MLA (what an
+        # operator on a CPU with AMX tiles passes), and picks by itself else.
+        target = vllm_config.attention_config.backend
+        chosen = [_BackendChoice(_cpu_mla_backend(vllm_config, target),
+                                 _CPU_FLAG if target is not None else _CPU_VLLM)]
+        if spec is not None and spec.method == "dspark":
+            # vLLM gives a DSpark draft's layers the speculative config's
+            # attention_backend, not the target's (DeepSeek-V4 drafts aside).
+            draft = spec.attention_backend
+            chosen.append(_BackendChoice(
+                _cpu_mla_backend(vllm_config, draft),
+                _CPU_DRAFT_FLAG if draft is not None else _CPU_VLLM, draft=True))
+        return chosen
+    chosen = []
     for backend, flag, draft in (
             (vllm_config.attention_config.backend, "--attention-backend", False),
             (spec.attention_backend if spec is not None else None,
@@ -60,18 +74,42 @@ def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
     return chosen
 
 
-def _cpu_mla_backend(vllm_config) -> str:
-    """The MLA backend vLLM's own selector picks on this CPU (by name)."""
+_CPU_VLLM = "vLLM on this CPU"
+_CPU_FLAG = "--attention-backend"
+_CPU_DRAFT_FLAG = "attention_backend in --speculative-config"
+
+
+def _cpu_mla_backend(vllm_config, backend) -> str:
+    """The MLA backend vLLM's own selector picks on this CPU (by name) for
+    layers configured with ``backend`` (None: vLLM's choice)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.selector import get_attn_backend
 
     hf = vllm_config.model_config.hf_text_config
-    with set_current_vllm_config(vllm_config):
-        backend_cls = get_attn_backend(
-            hf.kv_lora_rank + hf.qk_rope_head_dim,
-            vllm_config.model_config.dtype,
-            vllm_config.cache_config.cache_dtype, use_mla=True)
+    attention = vllm_config.attention_config
+    saved, attention.backend = attention.backend, backend
+    try:
+        with set_current_vllm_config(vllm_config):
+            backend_cls = get_attn_backend(
+                hf.kv_lora_rank + hf.qk_rope_head_dim,
+                vllm_config.model_config.dtype,
+                vllm_config.cache_config.cache_dtype, use_mla=True)
+    finally:
+        attention.backend = saved
     return backend_cls.get_name()
+
+
+def _no_dcp_on_cpu(choice: _BackendChoice) -> str:
+    """The error for a CPU backend without DCP (AMX_MLA on a CPU with AMX)."""
+    if choice.draft:
+        layers, fix = ("the DSpark draft's layers",
+                       'add "attention_backend": "CPU_MLA" to --speculative-config')
+    else:
+        layers, fix = "this model", "pass --attention-backend CPU_MLA"
+    picked = (f"picks {choice.name}" if choice.chosen_by == _CPU_VLLM else
+              f"runs {choice.name} (chosen by {choice.chosen_by})")
+    return (f"vLLM {picked} for {layers} on this CPU, which has no decode "
+            f"context parallelism: {fix}.")
 
 
 def _block_size_for(vllm_config, backend_name: str) -> int:
@@ -130,9 +168,7 @@ def check_vllm_config(vllm_config) -> None:
     choices = _chosen_backends(vllm_config, current_platform)
     for choice in choices:
         if choice.name not in checks.PROBLEMS:  # AMX_MLA on a CPU with AMX
-            raise ValueError(
-                f"vLLM picks {choice.name} on this CPU, which has no decode "
-                "context parallelism: pass --attention-backend CPU_MLA.")
+            raise ValueError(_no_dcp_on_cpu(choice))
         setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major,
                                                      draft=choice.draft)
         block_size = _block_size_for(vllm_config, choice.name)
