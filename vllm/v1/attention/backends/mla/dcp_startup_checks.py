@@ -57,11 +57,16 @@ def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
                                  _CPU_FLAG if target is not None else _CPU_VLLM)]
         if spec is not None and spec.method == "dspark":
             # vLLM gives a DSpark draft's layers the speculative config's
-            # attention_backend, not the target's (DeepSeek-V4 drafts aside).
-            draft = spec.attention_backend
+            # attention_backend, not the target's (but for DeepSeek-V4 drafts:
+            # _resolve_dspark_attention_backend).
+            draft, flag = spec.attention_backend, _CPU_DRAFT_FLAG
+            draft_hf = getattr(spec.draft_model_config, "hf_config", None)
+            if draft is None and getattr(draft_hf, "model_type", None) in (
+                    "deepseek_v4", "deepseek_v41"):
+                draft, flag = target, _CPU_FLAG
             chosen.append(_BackendChoice(
                 _cpu_mla_backend(vllm_config, draft),
-                _CPU_DRAFT_FLAG if draft is not None else _CPU_VLLM, draft=True))
+                flag if draft is not None else _CPU_VLLM, draft=True))
         return chosen
     chosen = []
     for backend, flag, draft in (
