@@ -130,15 +130,10 @@ def test_sm90_draft_without_block_size_judged_at_its_block_size(tmp_path):
             speculative_config=dict(NGRAM, attention_backend="FLASHINFER_MLA"))
         assert not config.cache_config.user_specified_block_size
         config.cache_config.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
-        # The draft's layers run the speculative config's backend (vLLM's
-        # DSpark drafter sets it on their config); by priority vLLM would
-        # fall back to the TRITON_MLA rows.
-        config.attention_config.backend = _backend_enum("FLASHINFER_MLA")
         with plugin_registered(True):
             # vLLM's DSpark loader gives the draft its attention_backend.
             config.attention_config.backend = _backend_enum("FLASHINFER_MLA")
             draft = select_mla_backend(config, 9, non_causal=True)
-        config.attention_config.backend = None  # no --attention-backend
         if block % interleave:
             assert isinstance(draft, ValueError)
             with pytest.raises(ValueError, match=f"--cp-kv-cache-interleave-size "
