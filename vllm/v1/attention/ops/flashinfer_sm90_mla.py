@@ -13,8 +13,9 @@ in FlashInfer's own multi-token decode), and ``run`` finishes every row with
 bounds, natural-log LSE, empty rows masked). The plan covers every row the
 layers run (FlashInfer >= 0.7.4 runs only planned rows), writes its device
 tensors into persistent buffers, and uses FlashInfer's CUDA-graph wrapper
-for the segment counts of CUDA-graph sizes, so that a captured graph of
-``run`` calls replays correctly after every later plan.
+for every segment count planned for a CUDA graph, so that a captured graph
+of ``run`` calls replays correctly after every later plan (``run`` refuses
+to be captured over a plan on the plain wrapper).
 
 FlashInfer's own no-DCP decode (the benchmarks' baseline) and an eager plan
 from device rows live beside the benchmarks (``benchmarks/fa3_native.py``).
@@ -37,7 +38,7 @@ from itertools import accumulate, chain, repeat
 
 import torch
 
-from vllm.v1.attention.ops.dcp_decode import DCPLayout
+from vllm.v1.attention.ops.dcp_decode import DCPLayout, FlatDecode
 from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
 __all__ = [
@@ -390,7 +391,7 @@ class FlashInferSm90MLA:
         query_start_loc: torch.Tensor,
         host_seq_lens: torch.Tensor,
         block_table: torch.Tensor,
-        rows,
+        rows: FlatDecode,
         *,
         num_rows: int,
         causal: bool,
