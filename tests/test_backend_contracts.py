@@ -282,7 +282,7 @@ def test_plugin_registers_the_dcp_backends():
 
     # sm90 only under DCP (at DCP size 1 Hopper keeps upstream's choice).
     with mock.patch("vllm.v1.attention.backends.mla.flashinfer_dcp_mla."
-                    "_current_dcp_size", return_value=8):
+                    "current_dcp_size", return_value=8):
         assert fi.supports_compute_capability(DeviceCapability(9, 0))
     assert not fi.supports_compute_capability(DeviceCapability(9, 0))
     assert fi.supports_compute_capability(DeviceCapability(10, 0))

@@ -21,6 +21,7 @@ from vllm.distributed.parallel_state import get_dcp_group
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonDecodeMetadata,
 )
+from vllm.v1.attention.backends.mla.dcp_compat import get_block_table_width
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, FlatDecode
 
@@ -145,11 +146,6 @@ class DCPDecodeBuilderMixin:
         size is taken as the cache's when it is a multiple, and the wider
         of the two readings is kept.
         """
-        try:  # vLLM >= 0.33
-            from vllm.v1.kv_cache_interface import get_block_table_width
-        except ImportError:
-            from vllm.v1.worker.block_table import get_block_table_width
-
         spec = self.kv_cache_spec
         max_model_len = self.vllm_config.model_config.max_model_len
         kernel_block = spec.block_size

@@ -44,6 +44,10 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+from vllm.v1.attention.backends.mla.dcp_compat import (
+    current_dcp_size,
+    is_quantized_kv_cache,
+)
 from vllm.v1.attention.backends.mla.dcp_epilogue import (
     finish_rows_decode,
     route_combines_through_rows,
@@ -61,20 +65,6 @@ from vllm.v1.attention.backends.mla.flashinfer_mla import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-try:  # vLLM >= 0.33
-    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
-except ImportError:  # vLLM 0.32
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-
-
-def _current_dcp_size() -> int:
-    """DCP size of the config being built or selected for (1 without one)."""
-    try:  # vLLM >= 0.33 asserts outside a config context
-        from vllm.config import get_current_vllm_config_or_none as current
-    except ImportError:  # vLLM 0.32 returns a default config there
-        from vllm.config import get_current_vllm_config as current
-    config = current()
-    return 1 if config is None else config.parallel_config.decode_context_parallel_size
 
 
 def _check(vllm_config: VllmConfig, dcp_size: int, gpu_major: int | None,
@@ -359,7 +349,7 @@ class FlashInferDCPMLABackend(FlashInferMLABackend):
         # sm90 is this project's FA3 path, for DCP only: at DCP size 1 Hopper
         # keeps upstream's choice (FLASHINFER_MLA is sm100-only there).
         if capability.major == 9:
-            return _current_dcp_size() > 1
+            return current_dcp_size() > 1
         return super().supports_compute_capability(capability)
 
     @classmethod
@@ -369,7 +359,7 @@ class FlashInferDCPMLABackend(FlashInferMLABackend):
         from vllm.config import get_current_vllm_config
 
         vllm_config = get_current_vllm_config()
-        if vllm_config.model_config is not None and _current_dcp_size() > 1:
+        if vllm_config.model_config is not None and current_dcp_size() > 1:
             # The config's block size is still provisional during selection,
             # and the layer's KV dtype is its own (--kv-cache-dtype-skip-layers).
             setting = checks.DCPSetting.from_vllm_config(

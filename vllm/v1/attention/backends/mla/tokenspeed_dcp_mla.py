@@ -27,6 +27,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
 from vllm.v1.attention.backends.mla.dcp_epilogue import (
     finish_rows_decode,
     route_combines_through_rows,
@@ -42,18 +43,6 @@ from vllm.v1.attention.backends.mla.tokenspeed_mla import (
     _get_workspace,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
-
-
-def _dcp_size() -> int:
-    """DCP world size from the current config, else from the DCP group."""
-    from vllm.config import get_current_vllm_config_or_none
-    from vllm.distributed import parallel_state
-
-    vllm_config = get_current_vllm_config_or_none()
-    if vllm_config is not None:
-        return vllm_config.parallel_config.decode_context_parallel_size
-    group = parallel_state._DCP
-    return group.world_size if group is not None else 1
 
 
 class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetadataBuilder):
@@ -174,7 +163,7 @@ class TokenspeedDCPMLABackend(TokenspeedMLABackend):
         graphs cannot replay ragged batches (vLLM's adaptive verification
         refuses them at start-up anyway). With DCP 1 the answer is upstream's.
         """
-        if _dcp_size() > 1:
+        if current_dcp_size() > 1:
             return False
         return super().supports_device_cpu_query_lens_mismatch()
 
