@@ -18,6 +18,7 @@ H200 with FlashInfer's FA3: ``tests/gpu/test_sm90_vllm_backend.py``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from types import SimpleNamespace
 from unittest import mock
@@ -280,9 +281,11 @@ def test_sm90_graph_wrappers_cover_every_shape_vllm_captures(sm90, tmp_path,
             assert wrappers[1] is wrappers[0], (role, num_tokens, num_reqs)
 
 
-def test_sm90_refuses_to_capture_a_plain_wrapper_plan(sm90, tmp_path, monkeypatch):
-    """A forward planned outside vLLM's capture build (so on FlashInfer's plain
-    wrapper) is refused, loudly, if a CUDA graph captures it."""
+@contextlib.contextmanager
+def _rank0_of_2(sm90, tmp_path):
+    """Rank 0 of DCP 2 in vLLM's config context: the real builder, one layer's
+    impl registered where the builder reads its scale, and a uniform batch's
+    common metadata."""
     from vllm.config import set_current_vllm_config
 
     config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
@@ -298,6 +301,13 @@ def test_sm90_refuses_to_capture_a_plain_wrapper_plan(sm90, tmp_path, monkeypatc
             "model.layers.0.attn"].impl = impl
         common = common_metadata(seq_lens, query_lens, batch.block_table,
                                  world_size=2, rank=0, interleave=1)
+        yield builder, impl, batch, common
+
+
+def test_sm90_refuses_to_capture_a_plain_wrapper_plan(sm90, tmp_path, monkeypatch):
+    """A forward planned outside vLLM's capture build (so on FlashInfer's plain
+    wrapper) is refused, loudly, if a CUDA graph captures it."""
+    with _rank0_of_2(sm90, tmp_path) as (builder, impl, batch, common):
         metadata = builder.build(0, common)
         fa3 = sys.modules["vllm.v1.attention.ops.flashinfer_sm90_mla"]
         monkeypatch.setattr(fa3, "_capturing", lambda device: True)
@@ -309,20 +319,7 @@ def test_sm90_refuses_to_capture_a_plain_wrapper_plan(sm90, tmp_path, monkeypatc
 def test_layer_refuses_a_forward_the_builder_did_not_plan(sm90, tmp_path):
     """The layers never plan: metadata of a build whose plan was replaced by a
     later build (a stale forward) is refused, loudly."""
-    config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
-                              num_speculative_tokens=NUM_SPEC)
-    seq_lens, query_lens = CASES["uniform"]
-    batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
-                                num_heads=NUM_HEADS)
-    from vllm.config import set_current_vllm_config
-
-    with fake_dcp_group(2, 0), set_current_vllm_config(config):
-        builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config)
-        impl = _make_impl(sm90, batch.scale)
-        config.compilation_config.static_forward_context[
-            "model.layers.0.attn"].impl = impl
-        common = common_metadata(seq_lens, query_lens, batch.block_table,
-                                 world_size=2, rank=0, interleave=1)
+    with _rank0_of_2(sm90, tmp_path) as (builder, impl, batch, common):
         first = builder.build(0, common)
         builder.build(0, common)
         with pytest.raises(RuntimeError, match="no plan for this forward"):
