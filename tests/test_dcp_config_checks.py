@@ -10,6 +10,7 @@ import pytest
 
 from builder_harness import fake_dcp_group, make_builder, make_vllm_config
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+from vllm.v1.attention.backends.mla import dcp_settings as settings
 
 FLASHINFER_OK = checks.DCPSetting(
     gpu_major=10, tensor_parallel_size=8, dcp_size=8, interleave=1, block_size=64,
@@ -108,8 +109,8 @@ def test_decode_query_len_is_vllms(tmp_path, method, sample_from_anchor, draft_l
     with mock.patch.object(spec, "method", method), \
             mock.patch.object(spec, "draft_model_config",
                               SimpleNamespace(hf_config=hf)):
-        assert checks.decode_query_len(config, draft=True) == draft_len
-        assert checks.decode_query_len(config, draft=False) == 6
+        assert settings.decode_query_len(config, draft=True) == draft_len
+        assert settings.decode_query_len(config, draft=False) == 6
 
 
 @pytest.mark.parametrize("draft", [True, False])

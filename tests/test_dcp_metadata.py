@@ -83,7 +83,7 @@ def test_builder_rows_give_full_attention(tmp_path, world_size, interleave, caus
         rank = layout.rank
         builder = _builder(tmp_path, world_size, rank, interleave,
                            non_causal=not causal)
-        assert builder.dcp_rank == rank and builder.dcp_world_size == world_size
+        assert builder.dcp_setting.dcp_rank == rank and builder.dcp_world_size == world_size
         common = common_metadata(seq_lens, query_lens, table, world_size=world_size,
                                  rank=rank, interleave=interleave, causal=causal)
         metadata = builder.build(0, common)

@@ -219,7 +219,8 @@ def test_sm90_host_slack_per_model(sm90, tmp_path):
         with fake_dcp_group(2, 0):
             builder = make_builder(sm90.FlashInferDCPMLAMetadataBuilder, config,
                                    layer_names=layer_names)
-        assert builder._sm90_host_slack == slack, (layer_names, non_causal_drafter)
+        assert builder.dcp_setting.host_length_slack == slack, (
+            layer_names, non_causal_drafter)
 
 
 GRAPH_NUM_SPEC = 4  # the k of the failing shapes (25/5, 12/3, ...)

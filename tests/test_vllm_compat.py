@@ -281,7 +281,8 @@ def test_replicated_cache_builder_sees_dcp_size_1(tmp_path):
             try:
                 builder = module.FlashInferDCPMLAMetadataBuilder(
                     spec, names, config, torch.device("cpu"))
-                results[sharded] = (builder.dcp_world_size, builder.dcp_rank)
+                results[sharded] = (builder.dcp_world_size,
+                                    builder.dcp_setting.dcp_rank)
             except ValueError as error:
                 results[sharded] = str(error)
     assert "--cp-kv-cache-interleave-size 48" in results[True]

@@ -334,7 +334,7 @@ class FlashInferSm90MLA:
         self.tail_args = dict(keys_per_step=tail_keys_per_step,
                               num_stages=tail_num_stages)
         self.fa3_plans = 0
-        self.planned_forward_id = 0  # set by the metadata builder per plan
+        self.planned_forward_id = 0  # ``plan_rows``' forward_id
         # id(wrapper) -> (qo_indptr, kv_indptr, kv_lens) of its last plan.
         self._schedules: dict[int, tuple[torch.Tensor, ...]] = {}
         self._fixed_capacity = max_rows is not None and max_cols is not None
@@ -398,6 +398,7 @@ class FlashInferSm90MLA:
         slack: int,
         layout: DCPLayout,
         for_graph: bool = False,
+        forward_id: int = 0,
     ) -> None:
         """The backend's per-forward plan, from host data: each request's
         prefix (``host_prefix_lens``, ``slack`` below vLLM's host lengths),
@@ -413,6 +414,8 @@ class FlashInferSm90MLA:
             rows: the forward's ``FlatDecode`` (``seq_lens``, ``block_table``
                 of every row, on the device).
             num_rows: T, query rows the layers run (padding included).
+            forward_id: the caller's id of this forward, kept as
+                ``planned_forward_id`` for the layers to check.
         """
         prefix = host_prefix_lens(host_seq_lens, query_start_loc, causal=causal,
                                   slack=slack, layout=layout)
@@ -420,6 +423,7 @@ class FlashInferSm90MLA:
                                      page_size=self.page_size)
         self.plan_prefix_tail(plan, block_table, rows.seq_lens, rows.block_table,
                               for_graph=for_graph)
+        self.planned_forward_id = forward_id
 
     def plan_prefix_tail(
         self,

@@ -30,14 +30,12 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
-from vllm.v1.attention.backends.mla.dcp_epilogue import (
-    finish_rows_decode,
-    route_combines_through_rows,
-)
+from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
 )
+from vllm.v1.attention.backends.mla.dcp_settings import decodes_non_causal_block
 from vllm.v1.attention.ops.dcp_decode import mla_decode_reference
 from vllm.v1.kv_cache_interface import AttentionSpec
 
@@ -66,9 +64,7 @@ class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
         # A DSpark draft group decodes a non-causal block; the stock CPU
         # decode kernel takes one token per request, so at DCP = 1 such a
         # group runs on the flattened rows too (the target stays upstream's).
-        ctx = vllm_config.compilation_config.static_forward_context
-        draft_block = any(getattr(ctx.get(name), "non_causal_multi_token_decode",
-                                  False) for name in layer_names)
+        draft_block = decodes_non_causal_block(vllm_config, layer_names)
         if use_dcp or draft_block:
             # Per builder, not per class: both depend on the DCP size and on
             # the KV-cache group (a DSpark draft at DCP 1), and vLLM reads
@@ -85,8 +81,6 @@ class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
             device,
             supports_dcp_with_varlen=use_dcp,
         )
-        if self.dcp_world_size > 1:
-            route_combines_through_rows(vllm_config, layer_names)
 
 
 class CPUDCPMLAImpl(CPUMLAImpl):

@@ -11,7 +11,7 @@ backend selection run them again as a second line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from vllm.v1.attention.backends.mla.dcp_settings import DCPSetting
 
 FLASHINFER_MLA = "FLASHINFER_MLA"
 TOKENSPEED_MLA = "TOKENSPEED_MLA"
@@ -49,95 +49,6 @@ def backend_block_size(backend: str, block_size: int | None) -> int:
     then still holds CacheConfig's provisional default, and a worker later
     gives the backend ``default_block_size``)."""
     return default_block_size(backend) if block_size is None else block_size
-
-
-def decode_query_len(vllm_config, draft: bool) -> int:
-    """Query tokens per request in one decode step of the target (its
-    verification: 1 + k) or of the draft (``draft``): vLLM's MRV2 DSpark
-    drafter runs k when its block samples from the anchor (the
-    checkpoint's ``sample_from_anchor``, default on), else 1 + k
-    (``DSparkSpeculator.num_query_per_req``)."""
-    spec = vllm_config.speculative_config
-    if spec is None:
-        return 1
-    k = spec.num_speculative_tokens or 0
-    if draft and spec.method == "dspark" and getattr(
-            spec.draft_model_config.hf_config, "sample_from_anchor", True):
-        return k
-    return 1 + k
-
-
-def draft_layer_indices(vllm_config) -> range:
-    """The draft model's layer indices in vLLM's layer names: vLLM's draft
-    models (Kimi-K3's DSpark draft among them) number their layers on from
-    the target's (``start_layer_id`` = the target's layer count)."""
-    spec = vllm_config.speculative_config
-    if spec is None or spec.draft_model_config is None:
-        return range(0)
-    start = vllm_config.model_config.get_total_num_hidden_layers()
-    return range(start, start + spec.draft_model_config.get_total_num_hidden_layers())
-
-
-def model_kv_cache_dtype(vllm_config, draft: bool) -> str:
-    """The KV-cache dtype of the target's layers, or the draft's (``draft``):
-    ``--kv-cache-dtype``, unquantized (``auto``) where
-    ``--kv-cache-dtype-skip-layers`` names every one of them (vLLM reads it
-    per layer index in ``MLAAttention.__init__``)."""
-    cache = vllm_config.cache_config
-    skipped = set(getattr(cache, "kv_cache_dtype_skip_layers", None) or ())
-    layers = (draft_layer_indices(vllm_config) if draft else
-              range(vllm_config.model_config.get_total_num_hidden_layers()))
-    if skipped and layers and all(str(i) in skipped for i in layers):
-        return "auto"
-    return str(cache.cache_dtype)
-
-
-def is_draft_group(vllm_config, layer_names) -> bool:
-    """Whether a builder's layers decode a DSpark draft's non-causal block."""
-    ctx = vllm_config.compilation_config.static_forward_context
-    return any(getattr(ctx.get(name), "non_causal_multi_token_decode", False)
-               for name in layer_names)
-
-
-@dataclass(frozen=True)
-class DCPSetting:
-    """What the checks read from a ``VllmConfig`` (and the GPU)."""
-
-    gpu_major: int | None  # compute capability major; None without a GPU
-    tensor_parallel_size: int
-    dcp_size: int
-    interleave: int
-    block_size: int
-    kv_cache_dtype: str
-    num_speculative_tokens: int
-    max_decode_query_len: int  # of the model checked (``decode_query_len``)
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-    @classmethod
-    def from_vllm_config(cls, vllm_config, gpu_major: int | None, *,
-                         draft: bool = False) -> "DCPSetting":
-        """The setting of the target's layers, or of the draft's (``draft``)."""
-        parallel = vllm_config.parallel_config
-        hf = vllm_config.model_config.hf_text_config
-        spec = vllm_config.speculative_config
-        num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
-        return cls(
-            gpu_major=gpu_major,
-            tensor_parallel_size=parallel.tensor_parallel_size,
-            dcp_size=parallel.decode_context_parallel_size,
-            interleave=parallel.cp_kv_cache_interleave_size,
-            block_size=vllm_config.cache_config.block_size,
-            kv_cache_dtype=model_kv_cache_dtype(vllm_config, draft),
-            num_speculative_tokens=num_spec,
-            max_decode_query_len=decode_query_len(vllm_config, draft),
-            kv_lora_rank=getattr(hf, "kv_lora_rank", 0) or 0,
-            qk_nope_head_dim=getattr(hf, "qk_nope_head_dim", 0) or 0,
-            qk_rope_head_dim=getattr(hf, "qk_rope_head_dim", 0) or 0,
-            v_head_dim=getattr(hf, "v_head_dim", 0) or 0,
-        )
 
 
 def _dcp_divides_tp(s: DCPSetting) -> list[str]:

@@ -21,7 +21,9 @@ from vllm.distributed.parallel_state import get_dcp_group
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonDecodeMetadata,
 )
-from vllm.v1.attention.backends.mla.dcp_compat import get_block_table_width
+from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+from vllm.v1.attention.backends.mla.dcp_epilogue import route_combines_through_rows
+from vllm.v1.attention.backends.mla.dcp_settings import DCPSetting
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, FlatDecode
 
@@ -83,6 +85,9 @@ class DCPDecodeBuilderMixin:
     Put it first in the bases: ``class B(DCPDecodeBuilderMixin, XBuilder)``.
     With DCP size 1 the builder's own decode metadata is returned unchanged,
     unless ``rows_without_dcp`` is set (a kernel that only runs on rows).
+    Where it builds rows it reads the group's ``DCPSetting`` once, checks it
+    (``dcp_backend``) and, under DCP, routes the layers' combines through the
+    rows' empty mask (``dcp_epilogue``).
     The flattened rows are written into persistent buffers allocated at
     init from vLLM's bounds (decode tokens of a full batch x the block-table
     width vLLM uses for this cache), so a CUDA graph captured over ``build``
@@ -92,74 +97,37 @@ class DCPDecodeBuilderMixin:
     """
 
     rows_without_dcp: bool = False
+    # The ``dcp_config_checks`` backend name whose problems the builder
+    # raises for its group's setting; None: checked at start-up only.
+    dcp_backend: str | None = None
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_dcp_rows()
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device,
+                 *args, **kwargs) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device,
+                         *args, **kwargs)
+        self._init_dcp_rows(layer_names)
 
-    def _init_dcp_rows(self) -> None:
+    def _init_dcp_rows(self, layer_names: list[str]) -> None:
         """State of the mixin; call it from an ``__init__`` that bypasses
         the mixin's own."""
-        self.dcp_rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
-        self.dcp_layout = DCPLayout(self.dcp_world_size, self.dcp_rank,
-                                    self.cp_kv_cache_interleave_size)
         self._dcp_causal = True
         self._dcp_forward_ids = itertools.count(1)
         # Sized once, before any CUDA graph is captured: a graph replays
         # into these exact tensors.
         self._dcp_rows: FlatDecode | None = None
+        # None where the builder is upstream's (DCP size 1, no rows).
+        self.dcp_setting: DCPSetting | None = None
         if self.dcp_world_size > 1 or self.rows_without_dcp:
+            rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
+            setting = DCPSetting.for_builder(self, layer_names,
+                                             checks.current_gpu_major(), rank)
+            if self.dcp_backend is not None:
+                checks.raise_if_unsupported(self.dcp_backend, setting)
+            self.dcp_setting = setting
             self._dcp_rows = dcp_decode.alloc_flat_decode(
-                self._dcp_row_capacity(), self._dcp_block_table_width(), self.device)
-
-    def _dcp_query_len_bound(self) -> int:
-        """Longest decode query: 1 + num_speculative_tokens, or the decode
-        threshold of the batch reorder if that is larger."""
-        spec = self.vllm_config.speculative_config
-        num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
-        return max(1 + num_spec, self.reorder_batch_threshold or 1)
-
-    def _dcp_row_capacity(self) -> int:
-        """Most decode query tokens one forward can carry, from vLLM's bounds.
-
-        At most ``max_num_seqs`` decode requests of at most
-        ``1 + num_speculative_tokens`` tokens, within the token budget
-        ``max_num_batched_tokens`` (vLLM's own cap on decode tokens); a CUDA
-        graph pads a decode-only batch up to a capture size, at most
-        ``max_cudagraph_capture_size``.
-        """
-        sched = self.vllm_config.scheduler_config
-        decode_tokens = min(sched.max_num_batched_tokens,
-                            sched.max_num_seqs * self._dcp_query_len_bound())
-        capture = self.vllm_config.compilation_config.max_cudagraph_capture_size
-        return max(decode_tokens, capture or 0)
-
-    def _dcp_block_table_width(self) -> int:
-        """Columns of the block table vLLM hands this builder.
-
-        The worker's block table (``MultiGroupBlockTable`` / MRV2's
-        ``BlockTables``) is ``max_num_blocks_per_req(max_model_len)`` of the
-        group's spec (DCP-sharded: ``max_model_len / (block_size x DCP)``)
-        aligned to 128 tokens by ``get_block_table_width``, in kernel blocks
-        when the backend pages finer than the group (``AttentionGroup``).
-        This builder only sees the kernel-block spec, so the group's block
-        size is taken as the cache's when it is a multiple, and the wider
-        of the two readings is kept.
-        """
-        spec = self.kv_cache_spec
-        max_model_len = self.vllm_config.model_config.max_model_len
-        kernel_block = spec.block_size
-        group_blocks = {kernel_block}
-        cache_block = self.vllm_config.cache_config.block_size
-        if cache_block and cache_block % kernel_block == 0:
-            group_blocks.add(cache_block)
-        widths = []
-        for group_block in group_blocks:
-            group_spec = spec.copy_with_new_block_size(group_block)
-            blocks = group_spec.max_num_blocks_per_req(self.vllm_config, max_model_len)
-            widths.append(get_block_table_width(blocks, group_block)
-                          * (group_block // kernel_block))
-        return max(widths)
+                setting.row_capacity, setting.block_table_width, self.device)
+        if self.dcp_world_size > 1:
+            route_combines_through_rows(self.vllm_config, layer_names)
 
     def _dcp_row_buffers(self, num_rows: int, num_blocks: int) -> FlatDecode:
         """The persistent rows; a batch beyond them is a configuration error,
@@ -172,7 +140,8 @@ class DCPDecodeBuilderMixin:
                 f"A DCP decode batch of {num_rows} query tokens exceeds the "
                 f"{rows.num_rows} rows sized at start-up from max_num_seqs "
                 f"({sched.max_num_seqs}) x (1 + num_speculative_tokens) = "
-                f"{sched.max_num_seqs * self._dcp_query_len_bound()}, capped at "
+                f"{sched.max_num_seqs * (1 + self.dcp_setting.num_speculative_tokens)}"
+                ", capped at "
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}), or "
                 "max_cudagraph_capture_size: raise --max-num-seqs or "
                 "--max-num-batched-tokens.")
@@ -227,7 +196,7 @@ class DCPDecodeBuilderMixin:
             dcp_tot_seq_lens_device,
             query_start_loc_device,
             block_table_tensor,
-            layout=self.dcp_layout,
+            layout=self.dcp_setting.layout,
             causal=self._dcp_causal,
             num_rows=num_decode_tokens,
             out=out,
@@ -243,6 +212,6 @@ class DCPDecodeBuilderMixin:
             # adaptive verification those are even while the device ones are
             # ragged, and a CUDA graph must be sized for the bound.
             max_query_len=max_query_len,
-            layout=self.dcp_layout,
+            layout=self.dcp_setting.layout,
             forward_id=next(self._dcp_forward_ids),
         )

@@ -11,16 +11,10 @@ any ``--cp-kv-cache-interleave-size``:
   ``backend="cute-dsl"``) over the rows, each a single-token query bounded by
   its local length; natural-log LSE.
 - sm90 (Hopper, which no upstream backend serves for a DSpark draft under
-  DCP): planned by the builder once per forward from host data (no
-  device-to-host sync of ours) and only run by every layer, so uniform
-  decode batches replay in full CUDA graphs; natural-log LSE. FlashInfer's
-  FA3 MLA (``BatchMLAPagedAttentionWrapper``) over one segment per request
-  on a host-known lower bound of the local keys all its tokens share (the
-  KV is read once, as in FlashInfer's own multi-token decode), plus each
-  token's remaining keys, attended and merged by one Triton launch over all
-  rows. Every shape vLLM captures in a CUDA graph is planned on a
-  FlashInfer CUDA-graph wrapper of its own (``build_for_cudagraph_capture``).
-  On sm90 the rows are built at DCP size 1 too (the trtllm-gen path is
+  DCP): FlashInfer's FA3 MLA plus Triton tails, planned by the builder once
+  per forward and only run by every layer (``flashinfer_dcp_mla_sm90``), so
+  uniform decode batches replay in full CUDA graphs; natural-log LSE. On
+  sm90 the rows are built at DCP size 1 too (the trtllm-gen path is
   sm100-only).
 
 Rows where this rank holds no KV are masked from the metadata (out 0, LSE
@@ -33,7 +27,6 @@ selectable then (as upstream), on sm100 the builder and kernels are upstream's.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import ClassVar
 
 import torch
@@ -48,13 +41,14 @@ from vllm.v1.attention.backends.mla.dcp_compat import (
     current_dcp_size,
     is_quantized_kv_cache,
 )
-from vllm.v1.attention.backends.mla.dcp_epilogue import (
-    finish_rows_decode,
-    route_combines_through_rows,
-)
+from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
+)
+from vllm.v1.attention.backends.mla.flashinfer_dcp_mla_sm90 import (
+    Sm90RowPlanner,
+    run_planned,
 )
 from vllm.v1.attention.backends.mla.flashinfer_mla import (
     FlashInferMLABackend,
@@ -64,19 +58,6 @@ from vllm.v1.attention.backends.mla.flashinfer_mla import (
     _get_workspace_buffer,
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
-
-
-
-def _check(vllm_config: VllmConfig, dcp_size: int, gpu_major: int | None,
-           layer_names: list[str]) -> None:
-    """``dcp_size``: the DCP size the builder runs at (vLLM >= 0.33 builds a
-    cache every rank holds whole, a DCP-1 draft under a DCP target, at 1)."""
-    setting = checks.DCPSetting.from_vllm_config(
-        vllm_config, gpu_major,
-        draft=checks.is_draft_group(vllm_config, layer_names))
-    setting = dataclasses.replace(setting, dcp_size=dcp_size)
-    if setting.dcp_size > 1 or gpu_major == 9:
-        checks.raise_if_unsupported(checks.FLASHINFER_MLA, setting)
 
 
 class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetadataBuilder):
@@ -89,6 +70,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
 
     supports_non_causal_multi_token_decode: ClassVar[bool] = True
     supports_non_causal_multi_token_dcp: ClassVar[bool] = True
+    dcp_backend = checks.FLASHINFER_MLA
 
     def __init__(
         self,
@@ -97,8 +79,9 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         vllm_config: VllmConfig,
         device: torch.device,
     ) -> None:
-        gpu_major = checks.current_gpu_major()
-        self.rows_without_dcp = gpu_major == 9
+        # On sm90 the rows are built at DCP size 1 too (the trtllm-gen path
+        # is sm100-only); there, and under DCP, the mixin checks the setting.
+        self.rows_without_dcp = checks.current_gpu_major() == 9
         # FlashInferMLAMetadataBuilder.__init__ (0.32 and 0.34) is a
         # rejection of interleave sizes other than 1 under DCP, read from the
         # parallel config, followed by exactly this call. The rows lift that
@@ -110,14 +93,15 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         MLACommonMetadataBuilder.__init__(
             self, kv_cache_spec, layer_names, vllm_config, device,
             FlashInferMLAMetadata, supports_dcp_with_varlen=True)
-        _check(vllm_config, self.dcp_world_size, gpu_major, layer_names)
-        self._init_dcp_rows()
-        if self.dcp_world_size > 1:
-            route_combines_through_rows(vllm_config, layer_names)
-        self._sm90_layer_names = list(layer_names)  # their impls' scale
+        self._init_dcp_rows(layer_names)
         self._sm90_for_graph = False
-        self._sm90_host_slack = self._host_length_slack()
-        self._fa3 = None  # the group's FlashInferSm90MLA, made on the first plan
+        self._sm90: Sm90RowPlanner | None = None
+        if self.rows_without_dcp:
+            self._sm90 = Sm90RowPlanner(
+                self.dcp_setting, vllm_config, layer_names,
+                page_size=kv_cache_spec.block_size,
+                kv_lora_rank=self.mla_dims.kv_lora_rank,
+                rope_dim=self.mla_dims.qk_rope_head_dim)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -159,86 +143,13 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
             query_start_loc_device=query_start_loc_device,
             num_decode_tokens=num_decode_tokens, max_query_len=max_query_len,
             dcp_tot_seq_lens_device=dcp_tot_seq_lens_device)
-        if self.rows_without_dcp and isinstance(decode, DCPDecodeMetadata):
-            self._plan_sm90(decode, block_table_tensor, query_start_loc_cpu,
-                            num_decode_tokens)
+        if self._sm90 is not None and isinstance(decode, DCPDecodeMetadata):
+            self._sm90.plan(decode, _get_workspace_buffer(True),
+                            block_table=block_table_tensor,
+                            query_start_loc_cpu=query_start_loc_cpu,
+                            host_seq_lens=self._host_seq_lens,
+                            num_rows=num_decode_tokens, for_graph=self._sm90_for_graph)
         return decode
-
-    def _host_length_slack(self) -> int:
-        """Most that vLLM's host lengths exceed the device's for this group.
-
-        With k speculative tokens under async scheduling the target's host
-        length assumes every draft of the last step accepted (up to k
-        over). A draft model's is the target's plus its query block, while
-        its device length starts after the last token the target accepted
-        this step: up to k more (``DFlashSpeculator``'s
-        ``seq_lens_cpu_upper_bound + step`` against ``last_valid_pos + 1``).
-        """
-        spec = self.vllm_config.speculative_config
-        num_spec = (spec.num_speculative_tokens or 0) if spec is not None else 0
-        return 2 * num_spec if self._serves_draft_layers() else num_spec
-
-    def _serves_draft_layers(self) -> bool:
-        """Whether this group's layers are the draft model's: a non-causal
-        drafter's attention config (DFlash, DSpark), or layer indices past
-        the target's (a draft's layers are numbered after them)."""
-        if getattr(self.vllm_config.attention_config, "use_non_causal", False):
-            return True
-        num_target_layers = getattr(self.vllm_config.model_config.hf_text_config,
-                                    "num_hidden_layers", None)
-        indices = [re.search(r"layers\.(\d+)\.", name)
-                   for name in self._sm90_layer_names]
-        return (num_target_layers is not None and all(indices)
-                and min(int(m.group(1)) for m in indices) >= num_target_layers)
-
-    def _sm90_scale(self) -> float:
-        """The group's softmax scale, read off its layers' impls (as vLLM's
-        FlashInfer builder does): one plan serves every layer."""
-        context = self.vllm_config.compilation_config.static_forward_context
-        scales = {getattr(getattr(context[name], "impl", None), "scale", None)
-                  for name in self._sm90_layer_names}
-        if len(scales) != 1 or None in scales:
-            raise ValueError(
-                f"FLASHINFER_MLA on sm90 plans one softmax scale per KV-cache "
-                f"group; its layers have {sorted(map(str, scales))}")
-        return scales.pop()
-
-    def _sm90_kernel(self, decode: DCPDecodeMetadata):
-        """The group's FA3 kernel object, made on the first plan; its buffers
-        are sized for the largest decode batch."""
-        from vllm.v1.attention.ops import flashinfer_sm90_mla as fa3
-
-        if self._fa3 is not None:
-            return self._fa3
-        rows = decode.flat
-        # No CUDA-graph wrapper up front: a plan for capture
-        # (``build_for_cudagraph_capture``) makes the one of its segment count.
-        kernel = fa3.FlashInferSm90MLA(
-            _get_workspace_buffer(True), num_heads=self.num_heads * self.dcp_world_size,
-            page_size=self.kv_cache_spec.block_size, sm_scale=self._sm90_scale(),
-            dtype=self.vllm_config.model_config.dtype,
-            kv_lora_rank=self.mla_dims.kv_lora_rank,
-            rope_dim=self.mla_dims.qk_rope_head_dim,
-            max_rows=max(self._dcp_row_capacity(), rows.num_rows),
-            max_cols=rows.block_table.shape[1], graph_segment_counts=set())
-        self._fa3 = kernel
-        return kernel
-
-    def _plan_sm90(self, decode: DCPDecodeMetadata, block_table: torch.Tensor,
-                   query_start_loc_cpu: torch.Tensor, num_rows: int) -> None:
-        """Plan this forward once for every layer of the group, from host data
-        (no device-to-host sync here): FA3 prefix segments + Triton tails."""
-        rows = decode.flat.slice(num_rows)
-        kernel = self._sm90_kernel(decode)
-        host = self._host_seq_lens
-        if host is None:  # vLLM kept no host copy: read the device's (a sync)
-            host = decode.dcp_tot_seq_lens.cpu()
-        kernel.plan_rows(query_start_loc_cpu, host, block_table, rows,
-                         num_rows=num_rows, causal=decode.causal,
-                         slack=self._sm90_host_slack, layout=decode.layout,
-                         for_graph=self._sm90_for_graph)
-        kernel.planned_forward_id = decode.forward_id
-        decode.plan = kernel
 
 
 class FlashInferDCPMLAImpl(FlashInferMLAImpl):
@@ -279,7 +190,7 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         if self.gpu_major == 9:
-            out, lse = self._decode_rows_sm90(q, kv_c_and_k_pe_cache, decode)
+            out, lse = run_planned(decode, self.scale, q, kv_c_and_k_pe_cache)
         else:
             out, lse = self._decode_rows_sm100(q, kv_c_and_k_pe_cache, decode,
                                                attn_metadata.max_seq_len, layer)
@@ -310,20 +221,6 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
             return_lse=True,
         )
         return out.view(num_rows, q.shape[1], -1), lse.view(num_rows, q.shape[1])
-
-    def _decode_rows_sm90(self, q, kv_cache, decode: DCPDecodeMetadata):
-        """FA3 prefix + Triton tails, as the builder planned this forward;
-        the layer only runs (capturable in a CUDA graph)."""
-        kernel = decode.plan
-        if kernel is None or kernel.planned_forward_id != decode.forward_id:
-            raise RuntimeError(
-                "FLASHINFER_MLA on sm90: no plan for this forward; the "
-                "metadata builder plans once per forward before the layers run")
-        if kernel.sm_scale != self.scale:
-            raise ValueError(
-                f"FLASHINFER_MLA on sm90 planned softmax scale {kernel.sm_scale}, "
-                f"layer has {self.scale}")
-        return kernel.run(q, kv_cache)
 
 
 class FlashInferDCPMLABackend(FlashInferMLABackend):

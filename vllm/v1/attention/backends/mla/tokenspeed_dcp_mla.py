@@ -23,15 +23,11 @@ from typing import ClassVar
 
 import torch
 
-from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
-from vllm.v1.attention.backends.mla.dcp_epilogue import (
-    finish_rows_decode,
-    route_combines_through_rows,
-)
+from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
@@ -42,27 +38,12 @@ from vllm.v1.attention.backends.mla.tokenspeed_mla import (
     TokenspeedMLAMetadataBuilder,
     _get_workspace,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
 
 
 class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetadataBuilder):
     """Tokenspeed builder that fills the DCP rows once per forward."""
 
-    def __init__(
-        self,
-        kv_cache_spec: AttentionSpec,
-        layer_names: list[str],
-        vllm_config: VllmConfig,
-        device: torch.device,
-    ) -> None:
-        setting = checks.DCPSetting.from_vllm_config(
-            vllm_config, checks.current_gpu_major(),
-            draft=checks.is_draft_group(vllm_config, layer_names))
-        if setting.dcp_size > 1:
-            checks.raise_if_unsupported(checks.TOKENSPEED_MLA, setting)
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if self.dcp_world_size > 1:
-            route_combines_through_rows(vllm_config, layer_names)
+    dcp_backend = checks.TOKENSPEED_MLA
 
 
 class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):

@@ -42,10 +42,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
-from vllm.v1.attention.backends.mla.dcp_epilogue import (
-    finish_rows_decode,
-    route_combines_through_rows,
-)
+from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
@@ -82,6 +79,7 @@ class TritonDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TritonMLAMetadataBuilde
 
     # Only consulted with DCP (vLLM's selector and DSpark validation).
     supports_non_causal_multi_token_dcp: ClassVar[bool] = True
+    dcp_backend = checks.TRITON_MLA
 
     def __init__(
         self,
@@ -97,12 +95,6 @@ class TritonDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TritonMLAMetadataBuilde
             # Per builder, as the CPU and ROCm AITER MLA builders set it.
             self.query_len_support = QueryLenSupport.VARLEN  # type: ignore[misc]
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if self.dcp_world_size > 1:
-            checks.raise_if_unsupported(
-                checks.TRITON_MLA,
-                checks.DCPSetting.from_vllm_config(vllm_config,
-                                                   checks.current_gpu_major()))
-            route_combines_through_rows(vllm_config, layer_names)
 
     def _validate_dspark_dcp_support(self, supports_dcp_with_varlen: bool) -> None:
         super()._validate_dspark_dcp_support(
