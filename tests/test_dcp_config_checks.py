@@ -137,3 +137,27 @@ def test_tokenspeed_builder_checks_its_models_query_len(tmp_path, draft):
         with pytest.raises(ValueError, match="needs 9: set num_speculative_"
                                              "tokens <= 7"):
             make_builder(module.TokenspeedDCPMLAMetadataBuilder, config)
+
+
+def test_one_draft_detection_for_checks_and_slack(tmp_path):
+    """A KV-cache group is the draft's by any of vLLM's three marks: a
+    non-causal block, a non-causal drafter's attention config, or layer
+    indices past the target's (a causal draft such as MTP has only this
+    one); the checks read that group's setting as the draft's."""
+    from builder_harness import TINY_MLA_CONFIG, register_fake_mla_layers
+
+    config = make_vllm_config(tmp_path / "m", dcp=2, num_speculative_tokens=3)
+    first_draft = TINY_MLA_CONFIG["num_hidden_layers"]
+    target = ["model.layers.0.self_attn.attn"]
+    causal_draft = [f"model.layers.{first_draft}.self_attn.attn"]
+    assert not settings.is_draft_group(config, target)
+    assert settings.is_draft_group(config, causal_draft)
+    register_fake_mla_layers(config, ["model.layers.1.self_attn.attn"],
+                             non_causal=True)
+    assert settings.is_draft_group(config, ["model.layers.1.self_attn.attn"])
+    with mock.patch.object(config.attention_config, "use_non_causal", True,
+                           create=True):
+        assert settings.is_draft_group(config, target)
+    draft_setting = settings.DCPSetting.from_vllm_config(config, 9, draft=True)
+    assert draft_setting.host_length_slack == 6
+    assert settings.DCPSetting.from_vllm_config(config, 9).host_length_slack == 3
