@@ -87,7 +87,7 @@ def point(batch: int, local: int, q_len: int, causal: bool, heads: int, paths, g
             kv = cache.to(torch.float8_e4m3fn) if fp8 else cache
             decode = DCPDecodeMetadata(
                 block_table=table, seq_lens=seq.to(dev), dcp_tot_seq_lens=seq.to(dev),
-                flat=flat, query_start_loc=qsl.to(dev), causal=causal,
+                flat=flat, causal=causal,
                 max_query_len=q_len, layout=layout)
             metadata = SimpleNamespace(decode=decode, max_seq_len=local)
             layer = SimpleNamespace(_k_scale=torch.tensor(1.0, device=dev),

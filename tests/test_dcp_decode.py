@@ -116,19 +116,22 @@ def test_build_flat_decode_matches_loop(data, world_size, interleave, causal, pa
     expected = _flat_by_loop(seq_lens, query_lens, world_size, world_size - 1,
                              interleave, causal, num_rows)
     assert flat.row_to_req.tolist() == [r for r, _, _ in expected]
-    assert flat.global_seq_lens.tolist() == [g for _, g, _ in expected]
     assert flat.seq_lens.tolist() == [n for _, _, n in expected]
     assert flat.empty.tolist() == [n == 0 for _, _, n in expected]
-    assert flat.query_start_loc.tolist() == list(range(num_rows + 1))
     assert torch.equal(flat.block_table, table[flat.row_to_req.long()])
-    for field in ("seq_lens", "row_to_req", "global_seq_lens", "query_start_loc",
-                  "block_table"):
+    for field in ("seq_lens", "row_to_req", "block_table"):
         assert getattr(flat, field).dtype == torch.int32, field
+    # Every rank's rows together hold the row's global bound.
+    held = sum(build_flat_decode(torch.tensor(seq_lens, dtype=torch.int32), qsl, table,
+                                 layout=DCPLayout(world_size, rank, interleave),
+                                 causal=causal, num_rows=num_rows).seq_lens
+               for rank in range(world_size))
+    assert held.tolist() == [g for _, g, _ in expected]
 
 
 def test_build_flat_decode_writes_into_buffers():
     out = alloc_flat_decode(max_rows=32, max_blocks=8)
-    for field in ("seq_lens", "row_to_req", "global_seq_lens", "block_table"):
+    for field in ("seq_lens", "row_to_req", "block_table"):
         getattr(out, field).fill_(-7)  # poison
     seq_lens = torch.tensor([40, 3], dtype=torch.int32)
     qsl = torch.tensor([0, 3, 6], dtype=torch.int32)
@@ -160,7 +163,9 @@ def test_request_shorter_than_its_query_has_empty_rows(causal, rank):
         expected_global = [0, 0, 0, 0, 0, 0, 1, 2]
     else:
         expected_global = [0, 0, 0, 0, 2, 2, 2, 2]
-    assert flat.global_seq_lens.tolist() == expected_global
+    other = build_flat_decode(seq_lens, qsl, table, layout=DCPLayout(2, 1 - rank, 1),
+                              causal=causal, num_rows=8)
+    assert (flat.seq_lens + other.seq_lens).tolist() == expected_global
     upstream = get_dcp_local_seq_lens(torch.tensor(expected_global, dtype=torch.int32),
                                       2, rank, 1)
     assert flat.seq_lens.tolist() == upstream.tolist()

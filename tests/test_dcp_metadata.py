@@ -95,8 +95,7 @@ def test_builder_rows_give_full_attention(tmp_path, world_size, interleave, caus
         expected = dcp_decode.build_flat_decode(
             batch.seq_lens, batch.query_start_loc, table,
             layout=DCPLayout(world_size, rank, interleave), causal=causal)
-        for field in ("seq_lens", "row_to_req", "global_seq_lens", "empty",
-                      "query_start_loc", "block_table"):
+        for field in ("seq_lens", "row_to_req", "empty", "block_table"):
             assert torch.equal(getattr(decode.flat, field), getattr(expected, field))
         return dcp_decode.mla_decode_reference(
             batch.q, cache, decode.flat.block_table, decode.flat.seq_lens,
@@ -200,8 +199,7 @@ def test_row_buffers_sized_once_from_vllm_bounds(tmp_path, world_size, block_siz
     assert rows.num_rows == max(decode_tokens, capture)
     assert rows.block_table.shape == (rows.num_rows, builder.vllm_block_table_width)
     pointers = {name: getattr(rows, name).data_ptr() for name in (
-        "seq_lens", "query_start_loc", "block_table", "row_to_req",
-        "global_seq_lens", "empty")}
+        "seq_lens", "block_table", "row_to_req", "empty")}
 
     def build(num_reqs, query_len, num_cols):
         table = torch.ones(num_reqs, num_cols, dtype=torch.int32)

@@ -12,8 +12,7 @@ import itertools
 import pytest
 import torch
 
-FLAT_FIELDS = ("seq_lens", "query_start_loc", "row_to_req", "global_seq_lens",
-               "empty")
+FLAT_FIELDS = ("seq_lens", "row_to_req", "empty")
 
 from vllm.v1.attention.ops import dcp_decode as dcp
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
@@ -44,8 +43,7 @@ def random_batch(gen: torch.Generator, device: str = "cpu"):
 
 def _poisoned_flat(rows: int, cols: int, device: str):
     out = dcp.alloc_flat_decode(rows, cols, device)
-    for name in ("seq_lens", "query_start_loc", "block_table", "row_to_req",
-                 "global_seq_lens"):
+    for name in ("seq_lens", "block_table", "row_to_req"):
         getattr(out, name).fill_(-7)
     out.empty.fill_(True)
     return out
@@ -95,7 +93,7 @@ def test_flat_triton_cuda_graph_replay():
     torch.cuda.synchronize()
     ref = dcp.build_flat_decode(seq_lens, qsl, table, **kw)
     assert torch.equal(ref.seq_lens, out.seq_lens[:num_rows])
-    assert torch.equal(ref.global_seq_lens, out.global_seq_lens[:num_rows])
+    assert torch.equal(ref.row_to_req, out.row_to_req[:num_rows])
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -93,11 +93,12 @@ def _cases():
             yield 96, 8, inter, causal
 
 
-def _plant_off_by_one(flat, num_rows):
+def _plant_off_by_one(flat, num_rows, bounds):
     """Long-context causal tokens (global bound >= 1000) but a request's last
-    see their successor too: the subtle off-by-one (one key in 1000+)."""
+    see their successor too: the subtle off-by-one (one key in 1000+).
+    ``bounds``: int32 [>= num_rows] the rows' global bounds."""
     lens = flat.seq_lens[:num_rows]
-    bounds = flat.global_seq_lens[:num_rows]
+    bounds = bounds[:num_rows]
     successor = (flat.row_to_req[1:num_rows] == flat.row_to_req[:num_rows - 1]) & (
         bounds[1:] == bounds[:-1] + 1)
     long_ctx = bounds[:-1] >= 1000
@@ -158,7 +159,7 @@ def _run_case(ws, heads, world, inter, causal, qpass, *, plant=False) -> dict:
             seq.to(DEV), qsl.to(DEV), local_table.to(DEV),
             layout=DCPLayout(world, rank, inter), causal=causal, num_rows=rows)
         if plant:
-            _plant_off_by_one(flat, rows)
+            _plant_off_by_one(flat, rows, full.seq_lens.to(DEV))
         mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE,
                                 sm_scale=SCALE, dtype=DTYPE)
         plan_prefix_tail_from_rows(mla, flat, qsl.to(DEV))

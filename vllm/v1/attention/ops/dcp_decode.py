@@ -110,20 +110,15 @@ class FlatDecode:
 
     Attributes:
         seq_lens: int32 [N], local KV tokens row ``n`` may attend to on this rank.
-        query_start_loc: int32 [N + 1], ``arange(N + 1)`` (one query token per row).
         block_table: int32 [N, B], the row's request's (local) block table.
         row_to_req: int32 [N], request index of each row.
-        global_seq_lens: int32 [N], global causal bound ``g_t`` of the row
-            (the number of global tokens it may see); 0 on padded rows.
         empty: bool [N], True where this rank holds no KV for the row (its
             partial output is undefined and must not enter the combine).
     """
 
     seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
     block_table: torch.Tensor
     row_to_req: torch.Tensor
-    global_seq_lens: torch.Tensor
     empty: torch.Tensor
 
     @property
@@ -131,14 +126,12 @@ class FlatDecode:
         return self.seq_lens.shape[0]
 
     def slice(self, num_rows: int, num_blocks: int | None = None) -> "FlatDecode":
-        """Views of the first ``num_rows`` rows (``num_rows + 1`` start locs)
-        and, if given, the first ``num_blocks`` block-table columns."""
+        """Views of the first ``num_rows`` rows and, if given, the first
+        ``num_blocks`` block-table columns."""
         return FlatDecode(
             seq_lens=self.seq_lens[:num_rows],
-            query_start_loc=self.query_start_loc[: num_rows + 1],
             block_table=self.block_table[:num_rows, :num_blocks],
             row_to_req=self.row_to_req[:num_rows],
-            global_seq_lens=self.global_seq_lens[:num_rows],
             empty=self.empty[:num_rows],
         )
 
@@ -154,10 +147,8 @@ def alloc_flat_decode(
     i32 = dict(dtype=torch.int32, device=device)
     return FlatDecode(
         seq_lens=torch.zeros(max_rows, **i32),
-        query_start_loc=torch.zeros(max_rows + 1, **i32),
         block_table=torch.zeros(max_rows, max_blocks, **i32),
         row_to_req=torch.zeros(max_rows, **i32),
-        global_seq_lens=torch.zeros(max_rows, **i32),
         empty=torch.ones(max_rows, dtype=torch.bool, device=device),
     )
 
@@ -228,11 +219,8 @@ def build_flat_decode(
         out = alloc_flat_decode(num_rows, block_table.shape[1], device)
     flat = out.slice(num_rows, block_table.shape[1])
     flat.row_to_req.copy_(req)
-    flat.global_seq_lens.copy_(bound)
     flat.seq_lens.copy_(local)
     torch.eq(local, 0, out=flat.empty)
-    torch.arange(num_rows + 1, dtype=torch.int32, device=device,
-                 out=flat.query_start_loc)
     if num_reqs > 0:
         flat.block_table.copy_(block_table.index_select(0, req))
     else:

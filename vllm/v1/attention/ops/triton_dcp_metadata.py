@@ -59,8 +59,8 @@ def _flat_decode_kernel(
     # inputs
     seq_lens_ptr, qsl_ptr, bt_ptr, bt_stride,
     # outputs
-    out_seq_lens_ptr, out_qsl_ptr, out_bt_ptr, out_bt_stride,
-    out_row_to_req_ptr, out_global_ptr, out_empty_ptr,
+    out_seq_lens_ptr, out_bt_ptr, out_bt_stride,
+    out_row_to_req_ptr, out_empty_ptr,
     # sizes
     num_reqs, num_rows, num_cols, num_search_steps,
     world_size, rank, interleave,
@@ -99,11 +99,8 @@ def _flat_decode_kernel(
         bound = tl.maximum(tl.where(is_real, bound, 0), 0)
         local = _local_len(bound, world_size, rank, interleave)
         tl.store(out_seq_lens_ptr + rows, local, mask=row_ok)
-        tl.store(out_global_ptr + rows, bound, mask=row_ok)
         tl.store(out_row_to_req_ptr + rows, req, mask=row_ok)
         tl.store(out_empty_ptr + rows, (local == 0).to(tl.uint8), mask=row_ok)
-        # query_start_loc = arange(N + 1): the last block also writes row N.
-        tl.store(out_qsl_ptr + rows, rows, mask=rows <= num_rows)
 
 
 def _search_steps(num_reqs: int) -> int:
@@ -129,12 +126,12 @@ def build_flat_decode_triton(
     """One-launch Triton twin of ``dcp_decode.build_flat_decode``.
 
     Same contract and bit-equal output: row ``n`` of request ``i`` (query
-    token ``t``) gets ``global_seq_lens = g_t`` (``L - q_len + 1 + t`` when
-    ``causal``, ``L`` otherwise, clamped at 0), ``seq_lens = local(g_t, rank)``,
-    ``row_to_req = i``, ``block_table = block_table[i]`` (a view of the first
-    ``B`` columns of ``out``) and ``empty = seq_lens == 0``;
-    ``query_start_loc = arange(N + 1)``. Rows at or beyond
-    ``query_start_loc[-1]`` are padding: seq len 0, global 0, empty, and
+    token ``t``) sees the global bound ``g_t`` (``L - q_len + 1 + t`` when
+    ``causal``, ``L`` otherwise, clamped at 0) and gets
+    ``seq_lens = local(g_t, rank)``, ``row_to_req = i``,
+    ``block_table = block_table[i]`` (a view of the first ``B`` columns of
+    ``out``) and ``empty = seq_lens == 0``. Rows at or beyond
+    ``query_start_loc[-1]`` are padding: seq len 0, empty, and
     ``row_to_req`` / ``block_table`` of the last request (``R - 1``), exactly
     as the torch path clamps them. Zero-length requests produce no rows.
 
@@ -168,13 +165,12 @@ def build_flat_decode_triton(
         # Matches the torch path, which zeroes the whole table then.
         flat.block_table.zero_()
     block_r, block_c = _tile_shape(num_cols)
-    grid = (triton.cdiv(num_rows + 1, block_r),
+    grid = (max(triton.cdiv(num_rows, block_r), 1),
             max(triton.cdiv(num_cols, block_c), 1))
     _flat_decode_kernel[grid](
         seq_lens, query_start_loc, block_table, block_table.stride(0),
-        flat.seq_lens, flat.query_start_loc, flat.block_table,
-        flat.block_table.stride(0), flat.row_to_req, flat.global_seq_lens,
-        flat.empty.view(torch.uint8),
+        flat.seq_lens, flat.block_table, flat.block_table.stride(0),
+        flat.row_to_req, flat.empty.view(torch.uint8),
         num_reqs, num_rows, num_cols, _search_steps(num_reqs),
         layout.world_size, layout.rank, layout.interleave,
         CAUSAL=causal, BLOCK_R=block_r, BLOCK_C=block_c,

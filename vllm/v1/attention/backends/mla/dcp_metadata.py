@@ -52,10 +52,8 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
 
     Attributes:
         flat: one row per decode query token (N = decode tokens): local seq
-            lens, ``arange`` query start locs, expanded block table,
-            ``row_to_req``, global causal bounds and the ``empty`` mask. See
-            ``vllm.v1.attention.ops.dcp_decode.FlatDecode``.
-        query_start_loc: int32 [R + 1], the decode requests' query offsets.
+            lens, expanded block table, ``row_to_req`` and the ``empty``
+            mask. See ``vllm.v1.attention.ops.dcp_decode.FlatDecode``.
         causal: True for speculative verify (each token sees its prefix), False
             for a non-causal DSpark draft block (every token sees the block).
         max_query_len: the bound vLLM promises on every decode request's
@@ -69,7 +67,6 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
     """
 
     flat: FlatDecode
-    query_start_loc: torch.Tensor
     causal: bool
     max_query_len: int
     layout: DCPLayout
@@ -206,7 +203,6 @@ class DCPDecodeBuilderMixin:
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
             flat=flat,
-            query_start_loc=query_start_loc_device,
             causal=self._dcp_causal,
             # vLLM's promise, not a measurement of the host offsets: under
             # adaptive verification those are even while the device ones are
