@@ -65,7 +65,8 @@ def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
                                     causal=True, num_rows=batch * q_len)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=page,
-                            sm_scale=1 / math.sqrt(192))
+                            sm_scale=1 / math.sqrt(192), max_rows=batch * q_len,
+                            max_cols=table.shape[1])
     plan_prefix_tail_from_rows(mla, flat, qsl)
     q = torch.randn(batch * q_len, heads, 576, device="cuda",
                     dtype=torch.bfloat16)

@@ -204,7 +204,8 @@ def _merged_dcp(causal, world, interleave, *, seed=0, lens=(3, 40, 70, 9, 2),
                                      num_rows=rows)
         mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8, device=DEVICE),
                                     num_heads=heads, page_size=page,
-                                    sm_scale=scale, dtype=torch.float32)
+                                    sm_scale=scale, dtype=torch.float32,
+                                    max_rows=rows, max_cols=lt.shape[1])
         fa3_native.plan_prefix_tail_from_rows(mla, flat, qsl.to(DEVICE))
         out, lse = mla.run(q.to(DEVICE), lc.to(DEVICE))
         assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -313,7 +314,8 @@ def test_rows_run_are_rows_planned(fake_flashinfer):
     flat = dcp.build_flat_decode(seq, qsl, table, layout=DCPLayout(2, 1, 1),
                                  causal=True, num_rows=rows)
     mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8), num_heads=heads,
-                                page_size=page, sm_scale=0.1, dtype=torch.float32)
+                                page_size=page, sm_scale=0.1, dtype=torch.float32,
+                                max_rows=rows, max_cols=table.shape[1])
     with pytest.raises(ValueError, match="plan every forward"):
         mla.run(q, cache)  # nothing planned yet
     host = fsm.plan_prefix_tail_host(qsl, seq, num_rows=rows, page_size=page)
@@ -417,6 +419,23 @@ def test_unchanged_schedule_is_not_replanned_on_flashinfer_fa3():
     _check_schedule_reuse(dtype=torch.bfloat16, heads=16, page=64, tol=2e-2)
 
 
+def test_plan_beyond_the_start_up_buffers_names_the_flags(fake_flashinfer):
+    """The plan buffers are fixed at construction (a captured graph keeps
+    their addresses): a larger batch is refused, never reallocated."""
+    cache, table, seq, qsl, q, page, heads = _dcp_case(2, True)
+    rows = q.shape[0]
+    flat = dcp.build_flat_decode(seq, qsl, table, layout=DCPLayout(2, 1, 1),
+                                 causal=True, num_rows=rows)
+    host = fsm.plan_prefix_tail_host(qsl, seq, num_rows=rows, page_size=page)
+    for max_rows, max_cols in ((rows - 1, table.shape[1]), (rows, table.shape[1] - 1)):
+        mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8),
+                                    num_heads=heads, page_size=page, sm_scale=0.1,
+                                    dtype=torch.float32, max_rows=max_rows,
+                                    max_cols=max_cols)
+        with pytest.raises(ValueError, match="--max-num-seqs"):
+            mla.plan_prefix_tail(host, table, flat.seq_lens, flat.block_table)
+
+
 @pytest.mark.skipif(not HAVE_FLASHINFER, reason="flashinfer not importable")
 def test_calls_bind_to_installed_flashinfer(fake_flashinfer, monkeypatch):
     """The adapter's and the benchmarks' baseline's FlashInfer calls bind to
@@ -428,7 +447,8 @@ def test_calls_bind_to_installed_flashinfer(fake_flashinfer, monkeypatch):
                                  causal=True, num_rows=q.shape[0])
     mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8),
                                 num_heads=heads, page_size=page, sm_scale=0.1,
-                                dtype=torch.float32)
+                                dtype=torch.float32, max_rows=q.shape[0],
+                                max_cols=table.shape[1])
     fa3_native.plan_prefix_tail_from_rows(mla, flat, qsl)
     mla.run(q, cache)
     native = fa3_native.NativeFA3MLA(torch.empty(8, dtype=torch.uint8),

@@ -161,7 +161,8 @@ def _run_case(ws, heads, world, inter, causal, qpass, *, plant=False) -> dict:
         if plant:
             _plant_off_by_one(flat, rows, full.seq_lens.to(DEV))
         mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE,
-                                sm_scale=SCALE, dtype=DTYPE)
+                                sm_scale=SCALE, dtype=DTYPE, max_rows=rows,
+                                max_cols=local_table.shape[1])
         plan_prefix_tail_from_rows(mla, flat, qsl.to(DEV))
         out = torch.full((rows, heads, DV), float("nan"), dtype=DTYPE, device=DEV)
         lse = torch.full((rows, heads), float("nan"), device=DEV)

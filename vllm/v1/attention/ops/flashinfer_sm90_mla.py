@@ -255,7 +255,8 @@ class FlashInferSm90MLA:
     One plan per forward pass, one ``run`` per layer::
 
         mla = FlashInferSm90MLA(workspace, num_heads=H, page_size=64,
-                                sm_scale=s, dtype=torch.bfloat16)
+                                sm_scale=s, dtype=torch.bfloat16,
+                                max_rows=T, max_cols=B)
         mla.plan_prefix_tail(host_plan, block_table, row_lens, row_tables)
         out, lse = mla.run(q, kv_cache)     # per layer
 
@@ -274,8 +275,8 @@ class FlashInferSm90MLA:
         kv_lora_rank: Dv, the latent (value) width.
         rope_dim: Dr, the rope width (key = Dv + Dr).
         max_rows, max_cols: capacity of the persistent plan buffers (query
-            rows and block-table columns); None grows them on demand (eager
-            use only: growing moves them under a captured graph).
+            rows and block-table columns), fixed: a captured graph keeps
+            their addresses.
         graph_segment_counts: segment counts S whose prefix+tail plans go
             through a FlashInfer CUDA-graph wrapper (one per S, made on first
             use, with reserved metadata buffers and an integer workspace that
@@ -307,8 +308,8 @@ class FlashInferSm90MLA:
         dtype: torch.dtype = torch.bfloat16,
         kv_lora_rank: int = 512,
         rope_dim: int = 64,
-        max_rows: int | None = None,
-        max_cols: int | None = None,
+        max_rows: int,
+        max_cols: int,
         graph_segment_counts: set[int] | None = None,
         tail_keys_per_step: int = 64,
         tail_num_stages: int = 2,
@@ -337,33 +338,20 @@ class FlashInferSm90MLA:
         self.planned_forward_id = 0  # ``plan_rows``' forward_id
         # id(wrapper) -> (qo_indptr, kv_indptr, kv_lens) of its last plan.
         self._schedules: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._fixed_capacity = max_rows is not None and max_cols is not None
-        self._kv_indices: torch.Tensor | None = None
-        self._row_prefix: torch.Tensor | None = None
-        if self._fixed_capacity:
-            self._alloc(max_rows, max_cols)
-
-    def _alloc(self, max_rows: int, max_cols: int) -> None:
         self._max_rows, self._max_cols = max_rows, max_cols
-        self._graph_wrappers = {}  # they hold the old index buffer
-        self._schedules = {}  # so does the plain wrapper's last plan
         # Segments <= rows; one spare slot takes the scatter of dead columns.
         self._kv_indices = torch.zeros(max_rows * max_cols + 1, dtype=torch.int32,
                                        device=self.device)
         self._row_prefix = torch.zeros(max_rows, dtype=torch.int32,
                                        device=self.device)
 
-    def _ensure_capacity(self, num_rows: int, num_cols: int) -> None:
-        if (self._kv_indices is not None and num_rows <= self._max_rows
-                and num_cols <= self._max_cols):
-            return
-        if self._fixed_capacity:
+    def _check_capacity(self, num_rows: int, num_cols: int) -> None:
+        if num_rows > self._max_rows or num_cols > self._max_cols:
             raise ValueError(
                 f"FA3 MLA plan of {num_rows} rows x {num_cols} block-table "
                 f"columns exceeds the buffers sized at start-up "
                 f"({self._max_rows} x {self._max_cols}); raise --max-num-seqs "
                 f"or --max-model-len consistently")
-        self._alloc(max(num_rows, 1), max(num_cols, 1))
 
     def _wrapper_for(self, num_segments: int):
         """The CUDA-graph wrapper of S segments (FlashInfer keeps its
@@ -450,7 +438,7 @@ class FlashInferSm90MLA:
         if for_graph and self._graph_segment_counts is not None:
             self._graph_segment_counts.add(num_segs)
         num_cols = block_table.shape[1]
-        self._ensure_capacity(num_rows, num_cols)
+        self._check_capacity(num_rows, num_cols)
         device = self.device
         # Page list of every segment, written into the persistent index
         # buffer on the device (FlashInfer keeps its pointer for the run).
