@@ -114,7 +114,7 @@ def random_paged_tables(num_reqs: int, kv_lens: torch.Tensor, page: int,
     Timing only: tables into a preallocated pool of pages whose contents do
     not matter, every column a real page. Correctness checks build a cache
     with its contents and tables with ``random_paged_kv``
-    (``vllm/v1/attention/ops/dcp_simulated_ranks.py``).
+    (``tools/dcp_simulated_ranks.py``).
     """
     cols = max(int(((kv_lens + page - 1) // page).max()), 1)
     need = num_reqs * cols

@@ -37,7 +37,7 @@ import time
 import torch
 
 from benchmarks._common import cuda_event_median_ms as time_ms, write_csv
-from benchmarks.fa3_native import NativeFA3MLA
+from tests.support.fa3_native import NativeFA3MLA
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, alloc_flat_decode
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
     FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """DSpark x DCP on CPU, end to end through vLLM: tokens/s and acceptance.
 
-Builds the tiny MLA target (``tests/tiny_mla.py``) and a tiny DSpark draft
-(``tests/tiny_dspark.py``) whose Markov head proposes the target's usual next
+Builds the tiny MLA target (``tests/support/tiny_mla.py``) and a tiny DSpark draft
+(``tests/support/tiny_dspark.py``) whose Markov head proposes the target's usual next
 token (bigram successors of transformers' greedy output), then runs each
-configuration as its own ``vllm.LLM`` (``tests/engine/greedy_run.py``: greedy,
+configuration as its own ``vllm.LLM`` (``tests/support/greedy_run.py``: greedy,
 float32, eager) with ``VLLM_DCP_CPU_MRV2=1`` (Model Runner V2 in Triton's
 interpreter, vLLM's DSpark speculator)::
 
@@ -53,8 +53,8 @@ def make_prompts(num: int, seed: int = 0) -> list[list[int]]:
 
 
 def build_models(workdir: Path, prompts, max_tokens: int) -> tuple[Path, Path]:
-    from tests.tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
-    from tests.tiny_mla import build_tiny_mla_checkpoint, hf_greedy
+    from tests.support.tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
+    from tests.support.tiny_mla import build_tiny_mla_checkpoint, hf_greedy
 
     target = build_tiny_mla_checkpoint(workdir / "target")
     continuations = hf_greedy(target, prompts, max_tokens)
@@ -67,11 +67,11 @@ def build_models(workdir: Path, prompts, max_tokens: int) -> tuple[Path, Path]:
 
 def run_config(config: dict, target: Path, draft: Path, prompts_file: Path,
                max_tokens: int, max_num_seqs: int) -> dict:
-    from tests.engine.greedy_run import cpu_engine_env
+    from tests.support.greedy_run import cpu_engine_env
 
     env = dict(os.environ, **cpu_engine_env(config["tp"]),
                VLLM_DCP_CPU_MRV2="1")
-    cmd = [sys.executable, str(REPO / "tests" / "engine" / "greedy_run.py"),
+    cmd = [sys.executable, str(REPO / "tests" / "support" / "greedy_run.py"),
            "--model", str(target), "--prompts-json", str(prompts_file),
            "--tp", str(config["tp"]), "--dcp", str(config["dcp"]),
            "--interleave", str(config["interleave"]),

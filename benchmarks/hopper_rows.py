@@ -17,10 +17,10 @@ against the roofline max(KV bytes / 4.25 TB/s, FLOPs / 790 TFLOP/s), KV
 bytes = B x L x 576 x bytes per element (read once per request), FLOPs =
 2 x B x q_len x heads x L x (576 + 512).
 
-Needs an sm90 GPU, FlashInfer and vLLM's Python (gpu/README.md), and
-``tests`` on the path (the fake DCP group the impl is built in)::
+Needs an sm90 GPU, FlashInfer and vLLM's Python (gpu/README.md); the fake DCP
+group the impl is built in comes from ``tests.support.builder_harness``::
 
-    PYTHONPATH=$PYTHONPATH:tests python3 -m benchmarks.hopper_rows --out-dir DIR
+    python3 -m benchmarks.hopper_rows --out-dir DIR
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ HBM_TBS, BF16_TFLOPS = 4.25, 790.0
 
 
 def make_triton_impl(heads: int, scale: float, kv_cache_dtype: str):
-    from builder_harness import fake_dcp_group, make_mla_impl
+    from tests.support.builder_harness import fake_dcp_group, make_mla_impl
 
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.attention.backends.mla.triton_dcp_mla import TritonDCPMLAImpl

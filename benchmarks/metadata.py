@@ -50,7 +50,7 @@ def upstream_expand(seq_lens, qsl, block_table, *, world_size, rank,
 def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
     """One layer of the backend's sm90 decode (FA3 prefix segments + Triton
     tails, causal) on rank 0's local KV, CUDA-graph replay."""
-    from benchmarks.fa3_native import plan_prefix_tail_from_rows
+    from tests.support.fa3_native import plan_prefix_tail_from_rows
     from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
     gen = torch.Generator().manual_seed(0)
     local = int(DCPLayout(world).local_seq_lens(torch.tensor(ctx)))

@@ -24,7 +24,7 @@ for step in "${@:-tests}"; do
              tests/gpu/test_sm90_vllm_backend.py tests/test_triton_dcp_mla.py \
              tests/gpu/test_flashinfer_sm90_dcp.py tests/test_flashinfer_sm90_mla.py \
              2>&1 | tee "$OUT/tests.txt" | tail -5 ;;
-    bench) PYTHONPATH=$PYTHONPATH:tests timeout 300 python3 -m benchmarks.hopper_rows \
+    bench) timeout 300 python3 -m benchmarks.hopper_rows \
              --out-dir "$OUT" 2>&1 | tee "$OUT/hopper_rows.txt" | grep -v -i warn ;;
     decode) timeout 200 python3 -m benchmarks.decode_step --heads 96 --batch 1 \
              --ctx 32768 262144 --world 1 8 --layers 61 --out-dir "$OUT" 2>&1 \

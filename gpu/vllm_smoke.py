@@ -32,7 +32,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "benchmarks"), str(REPO)]
+sys.path.insert(0, str(REPO))  # run by path: tests.support.*, tools.* from the checkout
 
 import torch  # noqa: E402
 
@@ -58,7 +58,7 @@ def step(fn):
 
 
 def config(dcp: int):
-    from builder_harness import make_vllm_config
+    from tests.support.builder_harness import make_vllm_config
 
     cfg = make_vllm_config(TMP / f"m{dcp}", dcp=dcp, block_size=PAGE, executor="mp",
                            num_speculative_tokens=3)
@@ -128,8 +128,8 @@ def selector():
 
 @step
 def fa3():
-    from dense_reference import full_attention, random_decode_batch
-    from fa3_native import NativeFA3MLA
+    from tests.support.dense_reference import full_attention, random_decode_batch
+    from tests.support.fa3_native import NativeFA3MLA
 
     batch = random_decode_batch([37, 300, 5, 130], [4, 4, 4, 1], block_size=PAGE,
                                 num_heads=HEADS, seed=1)
@@ -154,8 +154,8 @@ def fa3():
 
 
 def _builder(cfg, layer_names, non_causal):
-    from builder_harness import register_fake_mla_layers
-    from dense_reference import KV_LORA_RANK, ROPE_DIM
+    from tests.support.builder_harness import register_fake_mla_layers
+    from tests.support.dense_reference import KV_LORA_RANK, ROPE_DIM
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.mla.flashinfer_dcp_mla import (
         FlashInferDCPMLAMetadataBuilder)
@@ -171,7 +171,7 @@ def _builder(cfg, layer_names, non_causal):
 
 @step
 def builder():
-    from builder_harness import fake_dcp_group
+    from tests.support.builder_harness import fake_dcp_group
     from vllm.config import set_current_vllm_config
 
     cfg = config(2)
@@ -183,12 +183,13 @@ def builder():
 
 
 def _e2e(causal: bool):
-    from builder_harness import common_metadata, fake_dcp_group
-    from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
+    from tests.support.builder_harness import common_metadata, fake_dcp_group
+    from tests.support.dense_reference import (KV_LORA_RANK, ROPE_DIM, full_attention,
+                                               random_decode_batch)
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.mla import flashinfer_dcp_mla as fdm
     from vllm.v1.attention.ops.dcp_decode import DCPLayout
-    from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
+    from tools.dcp_simulated_ranks import decode_on_simulated_ranks
 
     world, spec_tokens = 2, 3
     seq_lens, query_lens = [37, 4, 300, 18, 130], [4, 4, 4, 4, 4]

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 
-from builder_harness import make_vllm_config
+from tests.support.builder_harness import make_vllm_config
 from test_backend_contracts import Backend, assert_matches_full_attention, run_steps
 
 # The repro of issue 11: device lengths [5, 1, 3, 3], host [3, 3, 3, 3],
@@ -45,11 +45,11 @@ def test_sm100_backends_follow_the_device_layout(tmp_path, name, interleave):
 def test_cpu_backend_follows_the_device_layout(tmp_path, interleave):
     from test_cpu_dcp_mla import dcp_context, make_impl
 
-    from builder_harness import common_metadata, make_builder
-    from dense_reference import full_attention, random_decode_batch
+    from tests.support.builder_harness import common_metadata, make_builder
+    from tests.support.dense_reference import full_attention, random_decode_batch
     from vllm.v1.attention.backends.mla.cpu_dcp_mla import CPUDCPMLAMetadataBuilder
     from vllm.v1.attention.ops.dcp_decode import DCPLayout
-    from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
+    from tools.dcp_simulated_ranks import decode_on_simulated_ranks
 
     batch = random_decode_batch(SEQ_LENS, DEVICE_QUERY_LENS, block_size=16,
                                 num_heads=4, seed=5)

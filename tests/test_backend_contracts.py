@@ -8,7 +8,7 @@ and run by vLLM's ``build_attn_metadata`` once per forward, which hands the
 one metadata object to every layer; the real impl's ``forward_mqa`` runs each
 layer on its own q and KV, over two forwards of different batches, and every
 layer's merged partials equal full attention over that layer's inputs
-(``tests/dense_reference.py``). The flattened rows are counted: one build
+(``tests/support/dense_reference.py``). The flattened rows are counted: one build
 per forward and rank, whatever the number of layers.
 """
 
@@ -22,12 +22,12 @@ from unittest import mock
 import pytest
 import torch
 
-from builder_harness import (attention_group, common_metadata,
-                             expected_local_row_lens, fake_dcp_group, make_mla_impl,
-                             make_vllm_config, shard_layers, step_metadata)
-from builder_harness import layer_batches as harness_layer_batches
-from dense_reference import full_attention
-from kernel_stubs import TokenspeedMLAReference, TrtllmMLAReference, import_on_cpu
+from tests.support.builder_harness import (attention_group, common_metadata,
+                                           expected_local_row_lens, fake_dcp_group, make_mla_impl,
+                                           make_vllm_config, shard_layers, step_metadata)
+from tests.support.builder_harness import layer_batches as harness_layer_batches
+from tests.support.dense_reference import full_attention
+from tests.support.kernel_stubs import TokenspeedMLAReference, TrtllmMLAReference, import_on_cpu
 from vllm.v1.attention.ops import dcp_decode
 
 import importlib.util

@@ -20,11 +20,11 @@ from unittest import mock
 import pytest
 import torch
 
-from builder_harness import (fake_dcp_group, make_builder, make_mla_impl,
-                             make_vllm_config)
-from cuda_selection import as_cuda_gpu, plugin_registered, select_mla_backend
-from dense_reference import KV_LORA_RANK, ROPE_DIM
-from kernel_stubs import import_on_cpu
+from tests.support.builder_harness import (fake_dcp_group, make_builder, make_mla_impl,
+                                           make_vllm_config)
+from tests.support.cuda_selection import as_cuda_gpu, plugin_registered, select_mla_backend
+from tests.support.dense_reference import KV_LORA_RANK, ROPE_DIM
+from tests.support.kernel_stubs import import_on_cpu
 
 # Imported here, on CPU: a module first imported inside ``as_cuda_gpu`` keeps
 # vLLM's CUDA platform as its ``current_platform`` (TRITON_MLA's impl reads
@@ -118,8 +118,8 @@ def test_sm90_draft_without_block_size_judged_at_its_block_size(tmp_path):
 
     from vllm.config.cache import CacheConfig
 
-    from builder_harness import TINY_MLA_CONFIG
-    from cuda_selection import check_as_gpu, gpu_engine_config
+    from tests.support.builder_harness import TINY_MLA_CONFIG
+    from tests.support.cuda_selection import check_as_gpu, gpu_engine_config
     from vllm.v1.attention.backends.mla.dcp_config_checks import default_block_size
 
     (tmp_path / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
@@ -247,8 +247,8 @@ def test_readme_has_one_recipe_per_generation():
 @pytest.fixture(scope="module")
 def tiny_draft_config(tmp_path_factory):
     """vLLM's ``ModelConfig`` of a tiny DSpark draft (non-causal block)."""
-    from tiny_dspark import build_tiny_dspark_checkpoint
-    from tiny_mla import build_tiny_mla_checkpoint
+    from tests.support.tiny_dspark import build_tiny_dspark_checkpoint
+    from tests.support.tiny_mla import build_tiny_mla_checkpoint
     from vllm.config import ModelConfig
 
     root = tmp_path_factory.mktemp("recipe")
@@ -342,8 +342,8 @@ def test_fp8_dspark_draft_on_hopper_falls_back_to_triton(tmp_path):
 
 
 def _hopper_fp8_config(tmp_path, skip_draft_layers: bool):
-    from cuda_selection import gpu_engine_config
-    from tiny_dspark import build_config_only_pair
+    from tests.support.cuda_selection import gpu_engine_config
+    from tests.support.tiny_dspark import build_config_only_pair
 
     target, draft = build_config_only_pair(tmp_path)
     num_target = json.loads((target / "config.json").read_text())["num_hidden_layers"]
@@ -373,7 +373,7 @@ def test_hopper_fp8_kv_with_the_drafts_layers_skipped(tmp_path):
     except ImportError:
         from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # 0.34
 
-    from cuda_selection import check_as_gpu
+    from tests.support.cuda_selection import check_as_gpu
 
     config, skip = _hopper_fp8_config(tmp_path, skip_draft_layers=True)
     check_as_gpu(config, 9)
@@ -405,7 +405,7 @@ def test_hopper_fp8_kv_with_the_drafts_layers_skipped(tmp_path):
 
 
 def test_hopper_fp8_kv_without_the_skip_list_names_it(tmp_path):
-    from cuda_selection import check_as_gpu
+    from tests.support.cuda_selection import check_as_gpu
 
     config, _ = _hopper_fp8_config(tmp_path, skip_draft_layers=False)
     with pytest.raises(ValueError, match="--kv-cache-dtype-skip-layers"):

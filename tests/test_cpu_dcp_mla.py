@@ -15,8 +15,10 @@ from unittest import mock
 import pytest
 import torch
 
-from builder_harness import common_metadata, fake_dcp_group, make_builder, make_vllm_config
-from dense_reference import KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch
+from tests.support.builder_harness import (common_metadata, fake_dcp_group, make_builder,
+                                           make_vllm_config)
+from tests.support.dense_reference import (KV_LORA_RANK, ROPE_DIM, full_attention,
+                                           random_decode_batch)
 from vllm.v1.attention.backends.mla.cpu_dcp_mla import (
     CPUDCPMLABackend,
     CPUDCPMLAImpl,
@@ -27,7 +29,7 @@ from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
 from vllm.v1.attention.backends.mla.dcp_plugin import register
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
-from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
+from tools.dcp_simulated_ranks import decode_on_simulated_ranks
 
 NUM_HEADS = 4
 

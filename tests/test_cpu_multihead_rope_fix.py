@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from dense_reference import ROPE_DIM
+from tests.support.dense_reference import ROPE_DIM
 from vllm.model_executor.layers.rotary_embedding import cpu_multihead_rope_fix as fix
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
@@ -157,7 +157,7 @@ def test_tiny_mla_rotary_stock_fixed_and_transformers(upstream_forward_cpu):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    from tiny_mla import tiny_mla_config
+    from tests.support.tiny_mla import tiny_mla_config
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 

@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 
-from builder_harness import fake_dcp_group, make_builder, make_vllm_config
+from tests.support.builder_harness import fake_dcp_group, make_builder, make_vllm_config
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 from vllm.v1.attention.backends.mla import dcp_settings as settings
 
@@ -78,7 +78,7 @@ def test_setting_read_from_vllm_config(tmp_path):
 
 def test_builder_raises_at_start_up(tmp_path):
     """Through the real builder construction (what vLLM does at start-up)."""
-    from kernel_stubs import import_on_cpu
+    from tests.support.kernel_stubs import import_on_cpu
 
     module = import_on_cpu("vllm.v1.attention.backends.mla.tokenspeed_dcp_mla")
     config = make_vllm_config(tmp_path / "m", dcp=2, interleave=16, block_size=64,
@@ -117,9 +117,9 @@ def test_decode_query_len_is_vllms(tmp_path, method, sample_from_anchor, draft_l
 def test_tokenspeed_builder_checks_its_models_query_len(tmp_path, draft):
     """The builder of the draft's layers (a non-causal DSpark block of 8)
     accepts 8 speculative tokens; the target's (8 + 1 verified) refuses them."""
-    from cuda_selection import as_cuda_gpu, gpu_engine_config
-    from kernel_stubs import import_on_cpu
-    from tiny_dspark import build_config_only_pair
+    from tests.support.cuda_selection import as_cuda_gpu, gpu_engine_config
+    from tests.support.kernel_stubs import import_on_cpu
+    from tests.support.tiny_dspark import build_config_only_pair
 
     target_dir, draft_dir = build_config_only_pair(tmp_path)
     config = gpu_engine_config(

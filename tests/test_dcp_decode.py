@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dense_reference import KV_LORA_RANK, full_attention, random_decode_batch
+from tests.support.dense_reference import KV_LORA_RANK, full_attention, random_decode_batch
 from vllm.v1.attention.ops.dcp_decode import (
     DCPLayout,
     alloc_flat_decode,
@@ -20,7 +20,7 @@ from vllm.v1.attention.ops.dcp_decode import (
     merge_partials,
     mla_decode_reference,
 )
-from vllm.v1.attention.ops.dcp_simulated_ranks import (
+from tools.dcp_simulated_ranks import (
     decode_on_simulated_ranks,
     shard_paged_kv,
 )

@@ -8,7 +8,7 @@ from unittest import mock
 
 import torch
 
-from dense_reference import KV_LORA_RANK, full_attention, random_decode_batch
+from tests.support.dense_reference import KV_LORA_RANK, full_attention, random_decode_batch
 from vllm.v1.attention.backends.mla.dcp_epilogue import (
     mask_empty_rows_,
     route_combine_through_rows,
@@ -16,7 +16,7 @@ from vllm.v1.attention.backends.mla.dcp_epilogue import (
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.dcp import _lse_weighted_combine, mask_dcp_empty_shards_
-from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv
+from tools.dcp_simulated_ranks import shard_paged_kv
 
 
 def _partials(batch, world_size, interleave, *, causal):

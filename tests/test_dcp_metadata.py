@@ -8,10 +8,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from builder_harness import (attention_group, common_metadata, fake_dcp_group,
-                             layer_batches, make_builder, make_vllm_config,
-                             shard_layers, step_metadata)
-from dense_reference import KV_LORA_RANK, full_attention, random_decode_batch
+from tests.support.builder_harness import (attention_group, common_metadata, fake_dcp_group,
+                                           layer_batches, make_builder, make_vllm_config,
+                                           shard_layers, step_metadata)
+from tests.support.dense_reference import KV_LORA_RANK, full_attention, random_decode_batch
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonDecodeMetadata,
     MLACommonMetadataBuilder,
@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.mla.dcp_metadata import (
 )
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
-from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
+from tools.dcp_simulated_ranks import decode_on_simulated_ranks
 
 
 class VarlenDCPBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):

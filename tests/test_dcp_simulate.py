@@ -10,24 +10,27 @@ from unittest import mock
 
 import pytest
 
-from vllm.v1.attention.ops import dcp_simulate
+from tools import dcp_simulate
 
 SMALL = ["--seq-lens", "70", "17", "3", "--world-sizes", "1", "2", "--interleaves",
          "1", "16", "--heads", "2", "--block-size", "16", "--verify-len", "3",
          "--draft-len", "4"]
 
 
-def test_help_imports_neither_vllm_nor_torch():
-    """The console script's module answers --help before any heavy import."""
+def test_help_imports_neither_vllm_nor_torch(tmp_path):
+    """The installed console script's entry answers --help before any heavy import."""
     probe = (
-        "import sys, vllm_dcp_simulate\n"
+        "import sys\n"
+        "from importlib.metadata import entry_points\n"
+        "(script,) = entry_points(group='console_scripts', name='vllm-dcp-simulate')\n"
         "try:\n"
-        "    vllm_dcp_simulate.main(['--help'])\n"
+        "    script.load()(['--help'])\n"
         "except SystemExit as exit:\n"
         "    assert exit.code == 0, exit.code\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch'}))\n")
+    # cwd outside the checkout: the installed package, not tools/ or a build's egg-info
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True,
-                            text=True, timeout=120, check=True)
+                            text=True, timeout=120, check=True, cwd=tmp_path)
     assert "(default: [1, 2, 4, 8])" in result.stdout  # defaults are shown
     assert "(default: 64)" in result.stdout
     assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
-from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv
-from vllm.v1.attention.ops.dcp_simulated_ranks import (decode_on_simulated_ranks,
-                                                       random_paged_kv)
+from tools.dcp_simulated_ranks import shard_paged_kv
+from tools.dcp_simulated_ranks import (decode_on_simulated_ranks,
+                                       random_paged_kv)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])

@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from builder_harness import TINY_MLA_CONFIG, cpu_with_amx, cpu_without_amx
-from cuda_selection import check_as_gpu, engine_config, gpu_engine_config
+from tests.support.builder_harness import TINY_MLA_CONFIG, cpu_with_amx, cpu_without_amx
+from tests.support.cuda_selection import check_as_gpu, engine_config, gpu_engine_config
 from vllm.v1.attention.backends.mla.dcp_config_checks import default_block_size
 
 
@@ -104,7 +104,7 @@ def test_cpu_with_amx_asks_for_cpu_mla(model_dir):
 @pytest.mark.parametrize("backend", ["FLASHINFER_MLA", "TOKENSPEED_MLA"])
 def test_default_block_size_table_is_vllms(backend):
     """The table the config-time check reads is what vLLM's selection picks."""
-    from kernel_stubs import import_on_cpu
+    from tests.support.kernel_stubs import import_on_cpu
     from vllm.config.cache import CacheConfig
     from vllm.v1.attention.backends.mla import dcp_config_checks as checks
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -186,7 +186,7 @@ def test_gpu_explicit_block_size_checked_for_any_backend(model_dir):
 def dspark_pair(tmp_path_factory):
     """(target, draft): a tiny Kimi-K3 DSpark draft (sample_from_anchor left at
     vLLM's default, as in the K3 drafts) and its target's config."""
-    from tiny_dspark import build_config_only_pair
+    from tests.support.tiny_dspark import build_config_only_pair
 
     return build_config_only_pair(tmp_path_factory.mktemp("dspark"))
 

@@ -26,16 +26,16 @@ from unittest import mock
 import pytest
 import torch
 
-from builder_harness import (
+from tests.support.builder_harness import (
     TINY_MLA_CONFIG, common_metadata, fake_dcp_group, make_builder, make_mla_impl,
     make_vllm_config)
-from dense_reference import full_attention, random_decode_batch
-from kernel_stubs import import_on_cpu
+from tests.support.dense_reference import full_attention, random_decode_batch
+from tests.support.kernel_stubs import import_on_cpu
 from test_flashinfer_sm90_mla import _FakeWrapper, fake_flashinfer_package
-from triton_interpreted import (
+from tests.support.triton_interpreted import (
     needs_triton, run_triton_path_tests, runs_where_triton_cannot)
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
-from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
+from tools.dcp_simulated_ranks import decode_on_simulated_ranks
 
 
 # Query heads after vLLM's DCP query gather: the tiny model's 8 heads
@@ -249,7 +249,7 @@ def test_sm90_graph_wrappers_cover_every_shape_vllm_captures(sm90, tmp_path,
     builds it for capture, and every later batch replayed in that graph
     (fewer real requests, padded) plans on that same wrapper."""
     from vllm.config import set_current_vllm_config
-    from vllm_capture_shapes import full_decode_shapes
+    from tests.support.vllm_capture_shapes import full_decode_shapes
 
     draft = role == "draft"
     query_len = GRAPH_NUM_SPEC if draft else 1 + GRAPH_NUM_SPEC

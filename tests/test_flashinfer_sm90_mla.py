@@ -26,17 +26,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-import fa3_native  # benchmarks/ (pytest's pythonpath)
-from triton_interpreted import (
+from tests.support import fa3_native
+from tests.support.triton_interpreted import (
     DEVICE, needs_triton, run_triton_path_tests, runs_where_triton_cannot)
 from vllm.v1.attention.ops import dcp_decode as dcp
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops import flashinfer_sm90_mla as fsm
-from vllm.v1.attention.ops.dcp_simulated_ranks import (decode_on_simulated_ranks,
-                                                       random_paged_kv)
+from tools.dcp_simulated_ranks import (decode_on_simulated_ranks,
+                                       random_paged_kv)
 
 try:  # flashinfer asks the GPU for its properties at import
-    from kernel_stubs import import_on_cpu
+    from tests.support.kernel_stubs import import_on_cpu
 
     real_fi_mla = (importlib.import_module("flashinfer.mla")
                    if torch.cuda.is_available() else import_on_cpu("flashinfer.mla"))

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The serve launcher and the gsm8k runner (benchmarks/), on CPU.
+"""The serve launcher and the gsm8k runner (tools/), on CPU.
 
 The fast tests check the command lines, the rendered lm-eval task and the
 results parsing. The engine test starts a real CPU ``vllm serve -tp 2 -dcp 2``
-of the tiny random MLA model through ``benchmarks/serve_dcp_dspark.py``, runs
-``benchmarks/gsm8k.py`` (lm-eval ``local-completions``, 5-shot, 5 problems of
+of the tiny random MLA model through ``tools/serve_dcp_dspark.py``, runs
+``tools/gsm8k.py`` (lm-eval ``local-completions``, 5-shot, 5 problems of
 the shared GSM8K data set at ``../shared/data/gsm8k``) against it and stops it. The tiny model's score is
 meaningless; the pipeline is what is tested.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import gsm8k
-import serve_dcp_dspark as serve
+from tools import gsm8k
+from tools import serve_dcp_dspark as serve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -175,7 +175,7 @@ def _group_members(pgid: int) -> list[int]:
 @needs_gsm8k
 def test_gsm8k_runner_against_cpu_tp2_dcp2_server(tmp_path, capfd):
     """lm-eval gsm8k 5-shot through a CPU ``-tp 2 -dcp 2`` tiny-MLA server."""
-    from tiny_mla import build_tiny_mla_checkpoint
+    from tests.support.tiny_mla import build_tiny_mla_checkpoint
 
     model = build_tiny_mla_checkpoint(tmp_path / "tiny-mla")
     port = serve.free_port()
@@ -221,19 +221,19 @@ def test_gsm8k_runner_against_cpu_tp2_dcp2_dspark_server(tmp_path):
     """``serve_dcp_dspark.py --cpu --draft`` serves DSpark x DCP on CPU (Model
     Runner V2 in Triton's interpreter) and ``gsm8k.py`` scores 5 problems
     against it, both as command lines."""
-    from tiny_dspark import build_tiny_dspark_checkpoint
-    from tiny_mla import build_tiny_mla_checkpoint
+    from tests.support.tiny_dspark import build_tiny_dspark_checkpoint
+    from tests.support.tiny_mla import build_tiny_mla_checkpoint
 
     model = build_tiny_mla_checkpoint(tmp_path / "tiny-mla")
     draft = build_tiny_dspark_checkpoint(tmp_path / "tiny-dspark", model)
     port = serve.free_port()
     log = tmp_path / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_DCP_CPU_MRV2"}
-    cmd = [sys.executable, str(REPO / "benchmarks" / "serve_dcp_dspark.py"),
+    cmd = [sys.executable, "-m", "tools.serve_dcp_dspark",
            "--model", str(model), "--tp", "2", "--dcp", "2",
            "--draft", str(draft), "--cpu", "--port", str(port),
            "--log", str(log), "--ready-timeout", "600",
-           "--then", sys.executable, str(REPO / "benchmarks" / "gsm8k.py"),
+           "--then", sys.executable, "-m", "tools.gsm8k",
            "--base-url", "{base_url}", "--data-dir", str(GSM8K_SLICE),
            "--limit", "5", "--num-concurrent", "5", "--max-gen-toks", "32",
            "--", "--dtype", "float32", "--enforce-eager", "--max-model-len",

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``benchmarks/serve_dcp_dspark.py``: bad flags fail before anything starts,
+"""``tools/serve_dcp_dspark.py``: bad flags fail before anything starts,
 a failed server is reported by its own error lines, a stop is graceful.
 
 Fake servers (small Python scripts) stand in for vLLM; a real ``vllm serve``
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import serve_dcp_dspark as serve  # benchmarks/ is on pytest's pythonpath
+from tools import serve_dcp_dspark as serve
 
 
 @pytest.fixture
@@ -317,7 +317,7 @@ def test_hopper_fp8_keeps_the_drafts_layers_bf16(tmp_path):
     """--kv-cache-dtype fp8 --draft D at --dcp 8 on sm90 adds the draft's
     layer indices (after the target's, from the two configs) as vLLM's
     --kv-cache-dtype-skip-layers; nowhere else."""
-    from tiny_dspark import build_config_only_pair
+    from tests.support.tiny_dspark import build_config_only_pair
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tiny_dspark import (bigram_successors, build_tiny_dspark_checkpoint,
-                         tiny_dspark_config, tiny_dspark_weight_shapes)
-from tiny_mla import build_tiny_mla_checkpoint
+from tests.support.tiny_dspark import (bigram_successors, build_tiny_dspark_checkpoint,
+                                       tiny_dspark_config, tiny_dspark_weight_shapes)
+from tests.support.tiny_mla import build_tiny_mla_checkpoint
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -151,7 +151,7 @@ def test_vllm_draft_class_loads_every_weight(checkpoints, tmp_path):
         markov_gain=20.0)
     env = dict(os.environ, VLLM_PLUGINS="")
     proc = subprocess.run(
-        [sys.executable, str(TESTS_DIR / "tiny_dspark.py"), str(target),
+        [sys.executable, str(TESTS_DIR / "support" / "tiny_dspark.py"), str(target),
          str(draft), "--check-load"],
         capture_output=True, text=True, timeout=300, env=env,
         cwd=TESTS_DIR.parent.parent)

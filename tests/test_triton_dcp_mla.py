@@ -25,20 +25,20 @@ from unittest import mock
 import pytest
 import torch
 
-from triton_interpreted import (
+from tests.support.triton_interpreted import (
     DEVICE, enable_vllm_triton_kernels, needs_triton, run_triton_path_tests,
     runs_where_triton_cannot)
 
 enable_vllm_triton_kernels()  # before vLLM's Triton kernels are imported
 
-from builder_harness import (  # noqa: E402
+from tests.support.builder_harness import (  # noqa: E402
     common_metadata, fake_dcp_group, make_builder, make_mla_impl, make_vllm_config)
-from dense_reference import (  # noqa: E402
+from tests.support.dense_reference import (  # noqa: E402
     KV_LORA_RANK, ROPE_DIM, full_attention, random_decode_batch)
 from vllm.v1.attention.backends.mla import triton_mla  # noqa: E402
 from vllm.v1.attention.backends.mla import triton_dcp_mla as ours  # noqa: E402
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, merge_partials  # noqa: E402
-from vllm.v1.attention.ops.dcp_simulated_ranks import (  # noqa: E402
+from tools.dcp_simulated_ranks import (  # noqa: E402
     decode_on_simulated_ranks)
 
 # Query heads after vLLM's DCP query gather (more than 1: the kernel's MLA
@@ -347,7 +347,7 @@ def test_every_graph_vllm_captures_replays_on_the_same_rows(tmp_path, monkeypatc
     padding rows are empty (masked), and upstream's workspace reservation
     holds the scratch."""
     from vllm.config import set_current_vllm_config
-    from vllm_capture_shapes import full_decode_shapes
+    from tests.support.vllm_capture_shapes import full_decode_shapes
 
     num_spec = 4
     draft = role == "draft"

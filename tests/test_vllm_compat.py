@@ -15,9 +15,9 @@ from unittest import mock
 import pytest
 import torch
 
-from builder_harness import make_vllm_config
-from cuda_selection import OVERRIDDEN, plugin_registered
-from kernel_stubs import import_on_cpu
+from tests.support.builder_harness import make_vllm_config
+from tests.support.cuda_selection import OVERRIDDEN, plugin_registered
+from tests.support.kernel_stubs import import_on_cpu
 from vllm.v1.attention.backends.mla import dcp_plugin
 
 
@@ -156,7 +156,7 @@ def test_flashinfer_builder_init_is_its_check_then_the_mla_builder(tmp_path):
     __init__`` to pass its parent's interleave check; that is right only
     while the parent's ``__init__`` does nothing else. On a config the check
     accepts, the parent and the direct call give the same builder."""
-    from builder_harness import fake_dcp_group, make_builder
+    from tests.support.builder_harness import fake_dcp_group, make_builder
 
     module = import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_mla")
     from vllm.model_executor.layers.attention.mla_attention import (
@@ -192,8 +192,8 @@ def test_combine_routed_once_per_layer_when_the_builder_is_made(tmp_path,
     builder; the DCP rows builder routes every layer of its group once (a
     second builder of the group, as under DBO, wraps nothing twice), a
     forward never; at DCP size 1 nothing is routed."""
-    from builder_harness import fake_dcp_group, register_fake_mla_layers
-    from dense_reference import KV_LORA_RANK, ROPE_DIM
+    from tests.support.builder_harness import fake_dcp_group, register_fake_mla_layers
+    from tests.support.dense_reference import KV_LORA_RANK, ROPE_DIM
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.mla.cpu_dcp_mla import CPUDCPMLAMetadataBuilder
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -256,8 +256,8 @@ def test_replicated_cache_builder_sees_dcp_size_1(tmp_path):
     not apply; a sharded cache still fails."""
     import dataclasses
 
-    from builder_harness import fake_dcp_group, register_fake_mla_layers
-    from dense_reference import KV_LORA_RANK, ROPE_DIM
+    from tests.support.builder_harness import fake_dcp_group, register_fake_mla_layers
+    from tests.support.dense_reference import KV_LORA_RANK, ROPE_DIM
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
@@ -297,8 +297,8 @@ def test_replicated_cache_builder_sees_dcp_size_1(tmp_path):
 
 def _upstream_mla_builder_dcp_size(config, names):
     """DCP size vLLM's own MLA builder takes for a dcp_sharded=False cache."""
-    from builder_harness import fake_dcp_group
-    from dense_reference import KV_LORA_RANK, ROPE_DIM
+    from tests.support.builder_harness import fake_dcp_group
+    from tests.support.dense_reference import KV_LORA_RANK, ROPE_DIM
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention.mla_attention import (
         MLACommonMetadata,

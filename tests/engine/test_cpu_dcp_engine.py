@@ -3,7 +3,7 @@
 
 Each configuration is one real ``vllm.LLM`` (multi-process at TP 2) started in
 a subprocess by ``greedy_run.py`` on the tiny MLA checkpoint of
-``tests/tiny_mla.py``; results are cached per configuration for the module.
+``tests/support/tiny_mla.py``; results are cached per configuration for the module.
 Greedy float32 tokens must be identical across TP 1, TP 2, TP 2 x DCP 2
 (interleave 1 and 16, with and without ngram speculation) and transformers.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_mla import build_tiny_mla_checkpoint, hf_greedy
+from tests.support.tiny_mla import build_tiny_mla_checkpoint, hf_greedy
 
 HERE = Path(__file__).resolve().parent
 
@@ -62,7 +62,7 @@ def prompts_file(tmp_path_factory) -> Path:
 
 
 def engine_env(tp: int) -> dict[str, str]:
-    from greedy_run import cpu_engine_env
+    from tests.support.greedy_run import cpu_engine_env
 
     env = dict(os.environ)
     env.update(cpu_engine_env(tp))
@@ -71,7 +71,8 @@ def engine_env(tp: int) -> dict[str, str]:
 
 def launch(model_dir, prompts_file, *, tp=1, dcp=1, interleave=1, ngram=0,
            timeout=ENGINE_TIMEOUT_S) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(HERE / "greedy_run.py"), "--model", str(model_dir),
+    cmd = [sys.executable, str(HERE.parent / "support" / "greedy_run.py"),
+           "--model", str(model_dir),
            "--prompts-json", str(prompts_file), "--tp", str(tp), "--dcp", str(dcp),
            "--interleave", str(interleave), "--max-tokens", str(MAX_TOKENS),
            "--ngram", str(ngram)]

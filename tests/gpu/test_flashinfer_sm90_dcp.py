@@ -47,12 +47,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (sm90)", allow_module_level=True)
 pytest.importorskip("flashinfer.mla")
 
-from dense_reference import random_decode_batch  # noqa: E402
-from fa3_native import NativeFA3MLA, plan_prefix_tail_from_rows  # noqa: E402
+from tests.support.dense_reference import random_decode_batch  # noqa: E402
+from tests.support.fa3_native import NativeFA3MLA, plan_prefix_tail_from_rows  # noqa: E402
 
 from vllm.v1.attention.ops.dcp_decode import (  # noqa: E402
     DCPLayout, build_flat_decode, merge_partials, mla_decode_reference)
-from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv  # noqa: E402
+from tools.dcp_simulated_ranks import shard_paged_kv  # noqa: E402
 from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA  # noqa: E402
 from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
     build_flat_decode_triton)

@@ -46,15 +46,15 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
 pytest.importorskip("flashinfer.mla")
 pytest.importorskip("vllm.v1.worker.gpu.cudagraph_utils")
 
-from builder_harness import (  # noqa: E402
+from tests.support.builder_harness import (  # noqa: E402
     TINY_MLA_CONFIG, common_metadata, fake_dcp_group, make_builder, make_mla_impl,
     make_vllm_config)
-from dense_reference import (  # noqa: E402
+from tests.support.dense_reference import (  # noqa: E402
     LATENT, DecodeBatch, full_attention)
-from vllm_capture_shapes import full_decode_shapes  # noqa: E402
+from tests.support.vllm_capture_shapes import full_decode_shapes  # noqa: E402
 
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, merge_partials  # noqa: E402
-from vllm.v1.attention.ops.dcp_simulated_ranks import (  # noqa: E402
+from tools.dcp_simulated_ranks import (  # noqa: E402
     random_paged_kv, shard_paged_kv)
 
 pytestmark = pytest.mark.gpu

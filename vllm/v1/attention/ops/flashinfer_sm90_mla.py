@@ -18,7 +18,7 @@ of ``run`` calls replays correctly after every later plan (``run`` refuses
 to be captured over a plan on the plain wrapper).
 
 FlashInfer's own no-DCP decode (the benchmarks' baseline) and an eager plan
-from device rows live beside the benchmarks (``benchmarks/fa3_native.py``).
+from device rows live beside the benchmarks (``tests/support/fa3_native.py``).
 
 ``run`` returns ``(out [T, H, Dv], lse [T, H])`` per query row with the LSE
 in natural log, ready for ``dcp_decode.merge_partials``. flashinfer is

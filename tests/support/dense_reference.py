@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.attention.ops.dcp_simulated_ranks import random_paged_kv
+from tools.dcp_simulated_ranks import random_paged_kv
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64

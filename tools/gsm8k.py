@@ -5,14 +5,14 @@ Runs lm-eval (0.4.13) with its ``local-completions`` model against
 ``--base-url`` and GSM8K read from local JSONL files, so it works on machines
 with no hub access::
 
-    python -m benchmarks.gsm8k --base-url http://127.0.0.1:8000/v1 \
+    python -m tools.gsm8k --base-url http://127.0.0.1:8000/v1 \
         [--data-dir ../shared/data/gsm8k] [--limit 200] [--num-concurrent 32]
 
 The data folder holds ``test.jsonl`` and ``train.jsonl`` (fields ``question``
 and ``answer``); default ``$GSM8K_DATA_DIR`` or ``../shared/data/gsm8k`` beside the checkout.
 The task is lm-eval's own ``gsm8k`` (prompt, 5-shot from train, stop strings,
 strict / flexible answer extraction) with only its data source replaced: see
-``benchmarks/gsm8k_task/gsm8k_local.yaml.template``.
+``tools/gsm8k_task/gsm8k_local.yaml.template``.
 
 Prints lm-eval's results table, then one JSON line
 ``{"gsm8k": {"strict-match": ..., "flexible-extract": ..., ...}}``.

@@ -5,7 +5,7 @@ The engine tests run this as a subprocess (vLLM's CPU workers fork and bind
 threads, which does not mix with pytest's process) and read one JSON object
 from the last line of stdout::
 
-    python tests/engine/greedy_run.py --model DIR --prompts-json FILE \
+    python tests/support/greedy_run.py --model DIR --prompts-json FILE \
         --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR]
 
 ``--draft`` speculates with a DSpark draft checkpoint; that needs Model

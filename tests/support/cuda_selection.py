@@ -21,7 +21,7 @@ from unittest import mock
 
 import torch
 
-from kernel_stubs import cuda_properties_for_import
+from tests.support.kernel_stubs import cuda_properties_for_import
 
 OVERRIDDEN = ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CPU_MLA", "TRITON_MLA")
 
@@ -158,7 +158,7 @@ def gpu_engine_config(model_dir, **flags):
     out, the CPU platform's hook runs as on a CPU without AMX (the same
     config on every host: ``builder_harness.cpu_without_amx``), and an
     explicit ``--block-size`` is restored (the CPU platform forced MLA's 16)."""
-    from builder_harness import cpu_without_amx
+    from tests.support.builder_harness import cpu_without_amx
     from vllm.config.vllm import VllmConfig
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 

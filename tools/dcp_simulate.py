@@ -7,10 +7,11 @@ sequences, shards it by vLLM's DCP layout, builds each rank's flattened decode
 metadata, runs the reference MLA decode per rank, merges the partials by LSE
 and reports the largest error against full attention without DCP.
 
-Run ``vllm-dcp-simulate --help``. Pure torch. Torch and the ops layer are
-imported only after the arguments are parsed and checked, so ``--help`` and
-bad input answer at once (the console script loads this file without the
-``vllm`` package, see ``vllm_dcp_simulate.py``).
+Run ``vllm-dcp-simulate --help`` (or ``python -m tools.dcp_simulate`` from the
+repository root). Pure torch. Torch and the ops layer are imported only after
+the arguments are parsed and checked, so ``--help`` and bad input answer at
+once (the console script's package, ``vllm_dcp_tools`` = ``tools/``, lies
+outside the ``vllm`` package; see pyproject.toml).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def dcp_step(q, cache, table, lens, query_start_loc, *, layout, causal, scale,
     import torch
 
     from vllm.v1.attention.ops.dcp_decode import build_flat_decode, mla_decode_reference
-    from vllm.v1.attention.ops.dcp_simulated_ranks import decode_on_simulated_ranks
+    from .dcp_simulated_ranks import decode_on_simulated_ranks
 
     def decode_rank(rank_layout, local_cache, local_table):
         flat = build_flat_decode(lens, query_start_loc, local_table,
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         build_flat_decode,
         mla_decode_reference,
     )
-    from vllm.v1.attention.ops.dcp_simulated_ranks import random_paged_kv
+    from .dcp_simulated_ranks import random_paged_kv
 
     torch.manual_seed(args.seed)
     cache, table, lens = random_paged_kv(

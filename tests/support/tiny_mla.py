@@ -13,10 +13,10 @@ reduction orders cannot flip a token, while a real attention error does.
 
 Usage::
 
-    from tests.tiny_mla import build_tiny_mla_checkpoint
+    from tests.support.tiny_mla import build_tiny_mla_checkpoint
     path = build_tiny_mla_checkpoint("/tmp/tiny-mla")
 
-Also a script: ``python tests/tiny_mla.py OUT_DIR``.
+Also a script: ``python tests/support/tiny_mla.py OUT_DIR``.
 """
 
 from __future__ import annotations

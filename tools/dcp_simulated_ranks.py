@@ -3,8 +3,8 @@
 
 A random paged MLA latent cache (the input every simulation, test and device
 check starts from) and the one loop that shards it by vLLM's DCP layout, runs
-each rank's decode and merges the partial results by LSE. Pure torch, like the
-rest of the ops layer.
+each rank's decode and merges the partial results by LSE. Pure torch over the
+ops layer (``vllm/v1/attention/ops/dcp_decode.py``).
 
 Shapes: R requests, B blocks per request, N decode rows, H heads, D latent
 width (kv_lora_rank + rope dim), Dv kv_lora_rank, W DCP ranks.

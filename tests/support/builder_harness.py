@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from dense_reference import KV_LORA_RANK, ROPE_DIM, random_decode_batch
+from tests.support.dense_reference import KV_LORA_RANK, ROPE_DIM, random_decode_batch
 
 TINY_MLA_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
@@ -307,7 +307,7 @@ def shard_layers(batches, world_size, interleave):
     local block tables (the shuffle is seeded), as one KV-cache group's
     layers do."""
     from vllm.v1.attention.ops.dcp_decode import DCPLayout
-    from vllm.v1.attention.ops.dcp_simulated_ranks import shard_paged_kv
+    from tools.dcp_simulated_ranks import shard_paged_kv
 
     per_layer = [shard_paged_kv(batch.kv_cache, batch.block_table, batch.seq_lens,
                                 layout=DCPLayout(world_size, interleave=interleave),

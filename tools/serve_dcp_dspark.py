@@ -9,16 +9,16 @@ reported by its own error lines. Stopping asks the server to shut down
 (SIGTERM, as ``kill`` does), waits for it, and only then escalates::
 
     # Kimi-K3, 8 GPUs, the production recipe (see README.md)
-    python -m benchmarks.serve_dcp_dspark --model moonshotai/Kimi-K3 \
+    python -m tools.serve_dcp_dspark --model moonshotai/Kimi-K3 \
         --tp 8 --dcp 8 --kv-cache-dtype fp8 --draft <K3 DSpark draft> \
         --num-spec 4
 
     # serve, run gsm8k against it, stop
-    python -m benchmarks.serve_dcp_dspark --model M --tp 2 --dcp 2 --draft D \
-        --then python -m benchmarks.gsm8k --base-url {base_url}
+    python -m tools.serve_dcp_dspark --model M --tp 2 --dcp 2 --draft D \
+        --then python -m tools.gsm8k --base-url {base_url}
 
     # the tiny test model on CPU, as tests/test_gsm8k_runner.py serves it
-    python -m benchmarks.serve_dcp_dspark --model /tmp/tiny-mla --tp 2 --dcp 2 \
+    python -m tools.serve_dcp_dspark --model /tmp/tiny-mla --tp 2 --dcp 2 \
         --cpu -- --dtype float32 --enforce-eager --max-model-len 2048
 
 Extra vLLM flags go after ``--``. ``{base_url}`` in a ``--then`` argument is

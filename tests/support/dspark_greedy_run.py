@@ -4,7 +4,7 @@
 One engine per process (the GPU test runs this as a subprocess). Prints one
 JSON object on a line of stdout and writes it to ``--out``::
 
-    python tests/gpu/dspark_greedy_run.py --model TARGET --prompts-json FILE \
+    python tests/support/dspark_greedy_run.py --model TARGET --prompts-json FILE \
         --tp 2 --dcp 2 [--interleave 1] [--draft DRAFT] [--max-tokens 48] \
         [--out RESULT.json]
 

@@ -4,7 +4,7 @@
 vLLM 0.32.0 loads a Kimi-K3 DSpark draft (``K3DSparkConfig``, model type
 ``k3_dspark``, architecture ``K3DSparkModel``) as a separate checkpoint that
 shares the target's token embedding and output head. This module writes one
-that matches ``tests/tiny_mla.py``'s target, locally and deterministically
+that matches ``tests/support/tiny_mla.py``'s target, locally and deterministically
 (seeded ``torch.Generator``, no download):
 
 * same hidden size, vocabulary and MLA latent layout as the target
@@ -24,12 +24,12 @@ target's after loading the draft.
 
 Usage::
 
-    from tests.tiny_mla import build_tiny_mla_checkpoint
-    from tests.tiny_dspark import build_tiny_dspark_checkpoint
+    from tests.support.tiny_mla import build_tiny_mla_checkpoint
+    from tests.support.tiny_dspark import build_tiny_dspark_checkpoint
     target = build_tiny_mla_checkpoint("/tmp/tiny-mla")
     draft = build_tiny_dspark_checkpoint("/tmp/tiny-dspark", target)
 
-Also a script: ``python tests/tiny_dspark.py TARGET_DIR OUT_DIR``.
+Also a script: ``python tests/support/tiny_dspark.py TARGET_DIR OUT_DIR``.
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def build_config_only_pair(root: str | os.PathLike) -> tuple[Path, Path]:
     Returns:
         ``(target_dir, draft_dir)``.
     """
-    from tiny_mla import tiny_mla_config
+    from tests.support.tiny_mla import tiny_mla_config
 
     target = Path(root) / "target"
     target.mkdir(parents=True, exist_ok=True)
@@ -369,7 +369,7 @@ def check_draft_loads(target_path: str | os.PathLike,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target_dir", help="tiny MLA target (tests/tiny_mla.py)")
+    parser.add_argument("target_dir", help="tiny MLA target (tests/support/tiny_mla.py)")
     parser.add_argument("out_dir")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=4)
