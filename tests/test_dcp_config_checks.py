@@ -144,7 +144,7 @@ def test_one_draft_detection_for_checks_and_slack(tmp_path):
     non-causal block, a non-causal drafter's attention config, or layer
     indices past the target's (a causal draft such as MTP has only this
     one); the checks read that group's setting as the draft's."""
-    from builder_harness import TINY_MLA_CONFIG, register_fake_mla_layers
+    from tests.support.builder_harness import TINY_MLA_CONFIG, register_fake_mla_layers
 
     config = make_vllm_config(tmp_path / "m", dcp=2, num_speculative_tokens=3)
     first_draft = TINY_MLA_CONFIG["num_hidden_layers"]
