@@ -30,11 +30,10 @@ gpu/vllm_bundle_stubs.py lists them with the reason for each and applies them
 on the device, so changing them needs no rebuild.
 
 Usage (repo root, here; downloads are cached in ~/.cache/vllm_dcp_bundle):
-    python3 gpu/build_vllm_bundle.py            # build .bundle/ (about 40 MB)
+    python3 gpu/build_vllm_bundle.py            # build .bundle/ (about 51 MiB)
     python3 gpu/build_vllm_bundle.py --check    # only report sizes
 Then on the device (device tool, ``carry: [".bundle"]``):
-    bash gpu/vllm_on_device.sh python3 -m pytest -q tests/test_flashinfer_sm90_mla.py
-    bash gpu/vllm_on_device.sh python3 gpu/vllm_smoke.py
+    bash gpu/device_run.sh tests bench
 The whole carried tree (tracked + untracked-not-ignored files + .bundle) must
 stay under 64 MiB; the script prints it and fails above 60 MiB.
 """
