@@ -178,7 +178,7 @@ TOUCHES: tuple[Touch, ...] = (
     Touch(
         name="cpu_dcp_combine_constexprs",
         target="vllm.v1.attention.ops.dcp.CorrectAttnCPOutKernel.kernel.constexprs",
-        change=REPLACES,
+        change=ADDS,
         what="the constexpr indices vLLM's launcher reads, which the "
              "dispatcher's stand-in for a Triton placeholder lacks",
         installed_by=PLUGIN, applies=_on_cpu_without_triton,
@@ -273,8 +273,7 @@ TOUCHES: tuple[Touch, ...] = (
         name="is_quantized_kv_cache", target="vllm.v1.kv_cache_interface."
                                              "is_quantized_kv_cache",
         change=READS, what="dcp_compat.is_quantized_kv_cache",
-        installed_by=NOBODY, fallback="vllm.utils.torch_utils.is_quantized_kv_cache",
-        vllm_versions=">=0.33"),
+        installed_by=NOBODY, fallback="vllm.utils.torch_utils.is_quantized_kv_cache"),
     Touch(
         name="get_block_table_width", target="vllm.v1.kv_cache_interface."
                                              "get_block_table_width",
