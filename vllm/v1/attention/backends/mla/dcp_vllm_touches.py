@@ -124,20 +124,27 @@ class Touch:
     """One change to vLLM (or one read of its internals)."""
 
     name: str
+    """As logged: ``vllm-dcp-dspark: <name> installed`` or ``skipped: ...``."""
     target: str
-    """Dotted path of what it changes or reads (``REPLACES``/``READS``: the
-    object itself; ``ADDS``: the attribute it sets on its owner)."""
+    """Dotted path of what it changes or reads (``ADDS``: the attribute it
+    sets, on an owner that exists)."""
     change: str
     """``REPLACES``, ``ADDS``, ``REGISTERS`` or ``READS``."""
     what: str
+    """What the plugin puts there, in a line."""
     installed_by: str
+    """``PLUGIN``, ``CPU_MRV2``, ``INTERPRETER_START``, ``METADATA_BUILDERS``
+    or ``NOBODY``."""
     applies: Callable[[], str | None] = _always
     """None where the touch applies, else why not (platform, switch)."""
     install: str | None = None
-    """``"module:function"``, imported when installed; it returns False
-    where this vLLM does not need it (``not_needed`` says why)."""
+    """``"module:function"``, imported when installed (so a GPU process never
+    imports a CPU module); it returns False where this vLLM does not need
+    it."""
     args: tuple[Any, ...] = ()
+    """Passed to ``install``."""
     not_needed: str = ""
+    """Why, when ``install`` returns False."""
     fallback: str | None = None
     """Read instead of ``target`` where a vLLM lacks it."""
     vllm_versions: str | None = None
@@ -156,8 +163,8 @@ def _backend_override(name: str, class_path: str) -> Touch:
 
 TOUCHES: tuple[Touch, ...] = (
     *(_backend_override(name, path) for name, path in BACKEND_OVERRIDES),
-    # Order matters: the combine's constexprs go on what the dispatcher
-    # registered.
+    # Installed in this order: the backends first (dcp_plugin undoes them if
+    # a later touch fails), the combine's constexprs after the combine.
     Touch(
         name="cpu_dcp_slot_mapping",
         target="vllm.utils.cpu_triton_utils._compute_slot_mapping_kernel_impl",
