@@ -32,6 +32,28 @@ from vllm.v1.attention.backends.mla import dcp_vllm_touches as touches
 VLLM_SIDE_EFFECTS = {"vllm.plugins.plugins_loaded"}  # load_general_plugins' own
 
 
+def _probe(mode: str, stdin: str = "") -> dict:
+    """``_load_plugins_and_report`` in a fresh process."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_DCP_CPU_MRV2", "TRITON_INTERPRET")}
+    if mode.startswith("cpu_mrv2"):
+        env["VLLM_DCP_CPU_MRV2"] = "1"
+    proc = subprocess.run([sys.executable, __file__, mode], env=env, input=stdin,
+                          capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parent)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def plugins_loaded_on_cpu() -> dict:
+    """A fresh CPU process's vLLM modules after loading the plugins, and
+    its target problems (resolving the K3 targets imports numba, which
+    vLLM's kernel dispatcher cannot scan, so not in this process)."""
+    return _probe("cpu:modules")
+
+
 def _vllm_has(specifier: str) -> bool:
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
@@ -62,8 +84,6 @@ def _target_problem(touch) -> str | None:
 
 
 def test_every_target_is_in_this_vllm_or_skipped_with_a_reason(plugins_loaded_on_cpu):
-    """Checked in a fresh process: resolving the K3 targets imports numba,
-    which vLLM's kernel dispatcher cannot scan in later tests."""
     problems = plugins_loaded_on_cpu["target_problems"]
     assert problems == {}, "\n".join(f"{k}: {v}" for k, v in problems.items())
 
@@ -157,24 +177,6 @@ def test_cpu_mrv2_entry_point_switched_off_logs_each_touch_skipped(caplog,
 
 # ---------------------------------------------------------------------------
 # Complete: what loading the plugins changes in vLLM, in a fresh process.
-
-def _probe(mode: str, stdin: str = "") -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_DCP_CPU_MRV2", "TRITON_INTERPRET")}
-    if mode.startswith("cpu_mrv2"):
-        env["VLLM_DCP_CPU_MRV2"] = "1"
-    proc = subprocess.run([sys.executable, __file__, mode], env=env, input=stdin,
-                          capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).parent)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1])
-
-
-@pytest.fixture(scope="module")
-def plugins_loaded_on_cpu() -> dict:
-    return _probe("cpu:modules")
-
 
 @pytest.mark.parametrize("mode", ["cpu", "cpu_mrv2"])
 def test_every_change_to_vllm_is_listed(mode, plugins_loaded_on_cpu):
