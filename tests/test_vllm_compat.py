@@ -76,13 +76,13 @@ def test_missing_hook_registers_nothing_and_warns_once(caplog, missing):
 
 
 def test_failing_registration_undoes_itself_and_never_raises(caplog):
-    """An error half-way (here: the CPU pieces) leaves vLLM's own backends,
-    and ``load_general_plugins()`` goes on."""
+    """An error half-way (here: the CPU rotary fix) leaves vLLM's own
+    backends, and ``load_general_plugins()`` goes on."""
     import vllm.plugins
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     broken = mock.patch(
-        "vllm.v1.attention.backends.mla.cpu_dcp_patches.install_cpu_dcp_patches",
+        "vllm.model_executor.layers.rotary_embedding.cpu_multihead_rope_fix.install",
         side_effect=RuntimeError("boom"))
     with plugin_registered(False), broken, caplog.at_level(logging.WARNING), \
             mock.patch.object(vllm.plugins, "plugins_loaded", False):
@@ -225,25 +225,31 @@ def test_combine_routed_once_per_layer_when_the_builder_is_made(tmp_path,
 
 def test_cpu_pieces_follow_what_vllm_has():
     from vllm.v1.attention.backends.mla import cpu_dcp_patches
+    from vllm.v1.attention.backends.mla import dcp_vllm_touches as touches
 
     has_slot_fallback = importlib.util.find_spec("vllm.utils.cpu_triton_utils") is not None
-    installed = cpu_dcp_patches.install_cpu_dcp_patches()
+    cpu_pieces = tuple(t for t in touches.TOUCHES if (t.install or "").startswith(
+        f"{cpu_dcp_patches.__name__}:"))
+    with mock.patch.object(touches, "TOUCHES", cpu_pieces):
+        installed = touches.install_touches(touches.PLUGIN)
     from vllm.triton_utils import HAS_TRITON
 
     if not HAS_TRITON:
-        assert installed["slot_mapping"] == has_slot_fallback
-        assert installed["combine"]
-    assert "rope" not in installed  # its own module (cpu_multihead_rope_fix)
+        assert installed["cpu_dcp_slot_mapping"] == has_slot_fallback
+        assert installed["cpu_dcp_combine"]
+    # The rotary fix is its own module (cpu_multihead_rope_fix).
+    assert not any("rope" in name for name in installed)
     # Each piece on its own, whatever Triton's state (idempotent).
-    assert cpu_dcp_patches._install_slot_mapping() == has_slot_fallback
+    assert cpu_dcp_patches.install_slot_mapping() == has_slot_fallback
 
 
 def test_absent_cpu_hooks_are_left_out_without_error():
     from vllm.v1.attention.backends.mla import cpu_dcp_patches
 
     with mock.patch.object(cpu_dcp_patches, "_find", return_value=None):
-        assert cpu_dcp_patches._install_slot_mapping() is False
-        assert cpu_dcp_patches._install_combine() is False
+        assert cpu_dcp_patches.install_slot_mapping() is False
+        assert cpu_dcp_patches.install_combine() is False
+        assert cpu_dcp_patches.fill_combine_constexprs() is False
 
 
 # ---------------------------------------------------------------------------

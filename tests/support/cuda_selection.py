@@ -96,8 +96,12 @@ def plugin_registered(registered: bool):
     if registered:
         # The CPU pieces play no part in CUDA selection, and vLLM's Triton
         # dispatcher cannot rebind kernels once some modules are loaded.
-        with mock.patch("vllm.v1.attention.backends.mla.cpu_dcp_patches."
-                        "install_cpu_dcp_patches", return_value={}):
+        from vllm.v1.attention.backends.mla import cpu_dcp_patches
+        from vllm.v1.attention.backends.mla import dcp_vllm_touches as touches
+
+        without_cpu_pieces = tuple(t for t in touches.TOUCHES if not (
+            t.install or "").startswith(f"{cpu_dcp_patches.__name__}:"))
+        with mock.patch.object(touches, "TOUCHES", without_cpu_pieces):
             register()
         assert all(AttentionBackendEnum[name].is_overridden() for name in OVERRIDDEN)
     try:

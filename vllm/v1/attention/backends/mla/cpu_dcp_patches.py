@@ -14,9 +14,9 @@ on CPU:
 (The CPU rotary fix MLA needs with or without DCP lives with vLLM's rotary
 embeddings: ``vllm.model_executor.layers.rotary_embedding.cpu_multihead_rope_fix``.)
 
-Everything here is a no-op off CPU, and each piece is installed only where
-this vLLM has its upstream counterpart (vLLM >= 0.33 has no slot-mapping
-fallback to replace).
+The plugin installs each piece through ``dcp_vllm_touches``, on CPU without
+Triton, and only where this vLLM has its upstream counterpart (vLLM >= 0.33
+has no slot-mapping fallback to replace).
 """
 
 from __future__ import annotations
@@ -25,10 +25,6 @@ import functools
 import importlib
 
 import torch
-
-from vllm.logger import init_logger
-
-logger = init_logger(__name__)
 
 SLOT_MAPPING_KERNEL = "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel"
 CORRECT_ATTN_OUT_KERNEL = "vllm.v1.attention.ops.dcp.CorrectAttnCPOutKernel.kernel"
@@ -92,7 +88,8 @@ def _find(module: str, *attrs: str):
     return found
 
 
-def _install_slot_mapping() -> bool:
+def install_slot_mapping() -> bool:
+    """Wrap the CPU slot-mapping fallback; False where vLLM has none."""
     # vLLM offers no hook to replace a *platform* fallback: the CPU platform
     # registers ``cpu_triton_utils._compute_slot_mapping_kernel_impl`` right
     # after the general plugins load (``WorkerWrapperBase.init_worker``).
@@ -113,7 +110,9 @@ def _install_slot_mapping() -> bool:
     return True
 
 
-def _install_combine() -> bool:
+def install_combine() -> bool:
+    """Register the torch combine with the kernel dispatcher; False where
+    this vLLM has neither."""
     dispatcher = _find("vllm.triton_utils.dispatcher")
     kernel_cls = _find("vllm.v1.attention.ops.dcp", "CorrectAttnCPOutKernel")
     if dispatcher is None or getattr(kernel_cls, "kernel", None) is None:
@@ -124,33 +123,21 @@ def _install_combine() -> bool:
     if registered is None or registered[1] is not correct_attn_out_kernel_cpu:
         dispatcher.register_kernels(
             {CORRECT_ATTN_OUT_KERNEL: correct_attn_out_kernel_cpu})
-    # The launcher splits regular from constexpr arguments by counting the
-    # kernel's ``constexprs``, which a Triton placeholder does not carry.
-    override = kernel_cls.kernel  # the dispatcher's placeholder
+    return True
+
+
+def fill_combine_constexprs() -> bool:
+    """Give the dispatcher's stand-in for the combine kernel its
+    ``constexprs`` (after ``install_combine``).
+
+    The launcher splits regular from constexpr arguments by counting the
+    kernel's ``constexprs``, which a Triton placeholder does not carry.
+    """
+    kernel_cls = _find("vllm.v1.attention.ops.dcp", "CorrectAttnCPOutKernel")
+    override = getattr(kernel_cls, "kernel", None)
+    if override is None:
+        return False
     if getattr(override, "constexprs", None) is None:
         override.constexprs = [override.arg_names.index(name)
                                for name in ("HEAD_DIM", "N_ROUNDED", "IS_BASE_E")]
     return True
-
-
-def install_cpu_dcp_patches() -> dict[str, bool]:
-    """Install the CPU pieces above that this vLLM has a place for.
-
-    Idempotent, no-op off CPU. Each piece is found by feature, not by vLLM
-    version: a piece whose upstream counterpart is absent is left out.
-
-    Returns:
-        piece name -> installed (empty off CPU).
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return {}
-    from vllm.triton_utils import HAS_TRITON
-
-    installed = {}
-    if not HAS_TRITON:
-        installed["slot_mapping"] = _install_slot_mapping()
-        installed["combine"] = _install_combine()
-    logger.debug("vllm-dcp-dspark: CPU DCP pieces installed: %s", installed)
-    return installed

@@ -4,7 +4,9 @@
 vLLM calls ``register()`` in every process (engine core and workers) before
 models are built. It overrides vLLM's MLA attention backends with this
 project's DCP-aware subclasses through ``register_backend``, so a stock
-``vllm serve ... -dcp N`` picks them up with no change on the user's side.
+``vllm serve ... -dcp N`` picks them up with no change on the user's side,
+then installs the CPU pieces and the start-up checks: every touch of
+``dcp_vllm_touches`` installed by this entry point, each logged.
 
 The plugin loads in every vLLM process of every user who installed it, so it
 must never make vLLM worse: on a vLLM whose hooks it does not find it logs one
@@ -18,18 +20,13 @@ import importlib
 import importlib.util
 
 from vllm.logger import init_logger
+from vllm.v1.attention.backends.mla.dcp_vllm_touches import (
+    BACKEND_OVERRIDES,
+    PLUGIN,
+    install_touches,
+)
 
 logger = init_logger(__name__)
-
-# (backend enum name, class path) pairs this plugin overrides.
-BACKEND_OVERRIDES: list[tuple[str, str]] = [
-    ("FLASHINFER_MLA",
-     "vllm.v1.attention.backends.mla.flashinfer_dcp_mla.FlashInferDCPMLABackend"),
-    ("TOKENSPEED_MLA",
-     "vllm.v1.attention.backends.mla.tokenspeed_dcp_mla.TokenspeedDCPMLABackend"),
-    ("CPU_MLA", "vllm.v1.attention.backends.mla.cpu_dcp_mla.CPUDCPMLABackend"),
-    ("TRITON_MLA", "vllm.v1.attention.backends.mla.triton_dcp_mla.TritonDCPMLABackend"),
-]
 
 # vLLM modules the overrides subclass or read, by the vLLM attribute they need.
 # Checked by name only: importing them here would pull in FlashInfer (which
@@ -79,34 +76,9 @@ def _vllm_version() -> str:
     return __version__
 
 
-def _register() -> None:
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import (
-        AttentionBackendEnum,
-        register_backend,
-    )
-
-    from vllm.v1.attention.backends.mla import dcp_startup_checks
-    from vllm.v1.attention.backends.mla.cpu_dcp_patches import (
-        install_cpu_dcp_patches,
-    )
-
-    for name, class_path in BACKEND_OVERRIDES:
-        register_backend(AttentionBackendEnum[name], class_path)
-    install_cpu_dcp_patches()
-    if current_platform.is_cpu():  # GPU processes never import the rope fix
-        from vllm.model_executor.layers.rotary_embedding import (
-            cpu_multihead_rope_fix,
-        )
-
-        cpu_multihead_rope_fix.install()
-    dcp_startup_checks.install()
-    logger.debug("vllm-dcp-dspark: registered %d MLA backend overrides",
-                 len(BACKEND_OVERRIDES))
-
-
 def register() -> None:
-    """Install the backend overrides; safe to call more than once.
+    """Install the backend overrides and the plugin's other touches on vLLM
+    (``dcp_vllm_touches``); safe to call more than once.
 
     Registers either every override or none: on a vLLM that lacks a hook the
     overrides need, or if registering fails, vLLM keeps its own backends and
@@ -122,7 +94,7 @@ def register() -> None:
             left_alone)
         return
     try:
-        _register()
+        install_touches(PLUGIN)
     except Exception as error:  # never fail vLLM's plugin loading
         _unregister()
         logger.warning(
