@@ -134,6 +134,10 @@ def _touch_log(caplog, touch) -> list[logging.LogRecord]:
             and r.getMessage().startswith(prefix)]
 
 
+PLUGIN_LOGGERS = ("vllm.v1.attention.backends.mla.", "vllm.v1.worker.cpu.",
+                  "vllm.model_executor.layers.rotary_embedding.cpu_multihead_rope_fix")
+
+
 def test_register_logs_each_touch_installed_or_skipped(caplog,
                                                        vllms_own_backends_after):
     from vllm.v1.attention.backends.mla import dcp_plugin
@@ -141,7 +145,10 @@ def test_register_logs_each_touch_installed_or_skipped(caplog,
     with caplog.at_level(logging.DEBUG, logger=touches.__name__):
         dcp_plugin.register()
         dcp_plugin.register()  # idempotent: the same outcome again
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # The plugin's own modules warn of nothing (vLLM's may, e.g. the 0.34
+    # CUDA wheel's CPU platform on a missing vllm._C).
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and r.name.startswith(PLUGIN_LOGGERS)]
     for touch in touches.TOUCHES:
         if touch.installed_by != touches.PLUGIN:
             assert _touch_log(caplog, touch) == []

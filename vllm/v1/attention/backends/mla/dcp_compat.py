@@ -10,16 +10,11 @@ reports as an unsupported vLLM.
 from __future__ import annotations
 
 try:  # vLLM >= 0.33
-    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
-except ImportError:  # vLLM 0.32
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-
-try:  # vLLM >= 0.33
     from vllm.v1.kv_cache_interface import get_block_table_width
 except ImportError:  # vLLM 0.32
     from vllm.v1.worker.block_table import get_block_table_width
 
-__all__ = ["current_dcp_size", "get_block_table_width", "is_quantized_kv_cache"]
+__all__ = ["current_dcp_size", "get_block_table_width"]
 
 
 def current_dcp_size() -> int:

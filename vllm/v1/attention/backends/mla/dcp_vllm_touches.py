@@ -277,12 +277,6 @@ TOUCHES: tuple[Touch, ...] = (
         installed_by=METADATA_BUILDERS,
         install=f"{_MLA}.dcp_epilogue:route_combines_through_rows"),
     Touch(
-        name="is_quantized_kv_cache",
-        target="vllm.v1.kv_cache_interface.is_quantized_kv_cache",
-        change=READS, what="dcp_compat.is_quantized_kv_cache",
-        installed_by=NOBODY,
-        fallback="vllm.utils.torch_utils.is_quantized_kv_cache"),
-    Touch(
         name="get_block_table_width",
         target="vllm.v1.kv_cache_interface.get_block_table_width",
         change=READS, what="dcp_compat.get_block_table_width",

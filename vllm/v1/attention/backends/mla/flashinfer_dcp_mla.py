@@ -37,10 +37,7 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
-from vllm.v1.attention.backends.mla.dcp_compat import (
-    current_dcp_size,
-    is_quantized_kv_cache,
-)
+from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
 from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
@@ -57,7 +54,7 @@ from vllm.v1.attention.backends.mla.flashinfer_mla import (
     FlashInferMLAMetadataBuilder,
     _get_workspace_buffer,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, is_quantized_kv_cache
 
 
 class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetadataBuilder):
