@@ -37,10 +37,10 @@ import time
 import torch
 
 from benchmarks._common import cuda_event_median_ms as time_ms, write_csv
-from tests.support.fa3_native import NativeFA3MLA
+from tests.support.fa3_native import FlashInferSm90MLAGraphed, NativeFA3MLA
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, alloc_flat_decode
 from vllm.v1.attention.ops.flashinfer_sm90_mla import (
-    FlashInferSm90MLA, host_prefix_lens, plan_prefix_tail_host)
+    host_prefix_lens, plan_prefix_tail_host)
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
 
 DV, DR, PAGE = 512, 64, 64
@@ -176,10 +176,10 @@ def point(setup, ws, args):
         if ":" in path:
             keys, stages = (int(v) for v in path.partition(":")[2].split("x"))
             tail = dict(tail_keys_per_step=keys, tail_num_stages=stages)
-        kernel = FlashInferSm90MLA(ws, num_heads=setup.heads, page_size=PAGE,
-                                   sm_scale=setup.scale, dtype=torch.bfloat16,
-                                   max_rows=setup.rows,
-                                   max_cols=setup.table.shape[1], **tail)
+        kernel = FlashInferSm90MLAGraphed(ws, num_heads=setup.heads, page_size=PAGE,
+                                          sm_scale=setup.scale, dtype=torch.bfloat16,
+                                          max_rows=setup.rows,
+                                          max_cols=setup.table.shape[1], **tail)
 
         def plan(seq, kernel=kernel, exact=path == "fa3-exact"):
             flat = setup.build_rows(seq)

@@ -32,8 +32,8 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks._common import time_ms, write_csv
+from tests.support.fa3_native import FlashInferSm90MLAGraphed
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
-from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
 
 DV, DR, PAGE = 512, 64, 64
@@ -74,9 +74,9 @@ def point(batch: int, local: int, q_len: int, causal: bool, heads: int, paths, g
     for path in paths:
         if path == "fa3":
             ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-            kernel = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE,
-                                       sm_scale=scale, max_rows=rows,
-                                       max_cols=table.shape[1])
+            kernel = FlashInferSm90MLAGraphed(ws, num_heads=heads, page_size=PAGE,
+                                              sm_scale=scale, max_rows=rows,
+                                              max_cols=table.shape[1])
             kernel.plan_rows(qsl, seq, table, flat, num_rows=rows, causal=causal,
                              slack=q_len - 1, layout=layout)
             fn = lambda kernel=kernel: kernel.run(q, cache)  # noqa: E731

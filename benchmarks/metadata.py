@@ -50,8 +50,8 @@ def upstream_expand(seq_lens, qsl, block_table, *, world_size, rank,
 def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
     """One layer of the backend's sm90 decode (FA3 prefix segments + Triton
     tails, causal) on rank 0's local KV, CUDA-graph replay."""
-    from tests.support.fa3_native import plan_prefix_tail_from_rows
-    from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
+    from tests.support.fa3_native import (FlashInferSm90MLAGraphed,
+                                          plan_prefix_tail_from_rows)
     gen = torch.Generator().manual_seed(0)
     local = int(DCPLayout(world).local_seq_lens(torch.tensor(ctx)))
     cols = -(-local // page)
@@ -64,9 +64,9 @@ def layer_decode_ms(batch, ctx, heads, world, q_len, page=64):
     flat = build_flat_decode_triton(seq, qsl, table, layout=DCPLayout(world),
                                     causal=True, num_rows=batch * q_len)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=page,
-                            sm_scale=1 / math.sqrt(192), max_rows=batch * q_len,
-                            max_cols=table.shape[1])
+    mla = FlashInferSm90MLAGraphed(ws, num_heads=heads, page_size=page,
+                                   sm_scale=1 / math.sqrt(192), max_rows=batch * q_len,
+                                   max_cols=table.shape[1])
     plan_prefix_tail_from_rows(mla, flat, qsl)
     q = torch.randn(batch * q_len, heads, 576, device="cuda",
                     dtype=torch.bfloat16)

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 
 from tests.support import fa3_native
+from tests.support.fa3_native import FlashInferSm90MLAGraphed as GraphedFA3
 from tests.support.triton_interpreted import (
     DEVICE, needs_triton, run_triton_path_tests, runs_where_triton_cannot)
 from vllm.v1.attention.ops import dcp_decode as dcp
@@ -202,10 +203,10 @@ def _merged_dcp(causal, world, interleave, *, seed=0, lens=(3, 40, 70, 9, 2),
                                      layout=layout,
                                      causal=causal,
                                      num_rows=rows)
-        mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8, device=DEVICE),
-                                    num_heads=heads, page_size=page,
-                                    sm_scale=scale, dtype=torch.float32,
-                                    max_rows=rows, max_cols=lt.shape[1])
+        mla = GraphedFA3(torch.empty(8, dtype=torch.uint8, device=DEVICE),
+                         num_heads=heads, page_size=page,
+                         sm_scale=scale, dtype=torch.float32,
+                         max_rows=rows, max_cols=lt.shape[1])
         fa3_native.plan_prefix_tail_from_rows(mla, flat, qsl.to(DEVICE))
         out, lse = mla.run(q.to(DEVICE), lc.to(DEVICE))
         assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -313,9 +314,9 @@ def test_rows_run_are_rows_planned(fake_flashinfer):
     rows = q.shape[0]
     flat = dcp.build_flat_decode(seq, qsl, table, layout=DCPLayout(2, 1, 1),
                                  causal=True, num_rows=rows)
-    mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8), num_heads=heads,
-                                page_size=page, sm_scale=0.1, dtype=torch.float32,
-                                max_rows=rows, max_cols=table.shape[1])
+    mla = GraphedFA3(torch.empty(8, dtype=torch.uint8), num_heads=heads,
+                     page_size=page, sm_scale=0.1, dtype=torch.float32,
+                     max_rows=rows, max_cols=table.shape[1])
     with pytest.raises(ValueError, match="plan every forward"):
         mla.run(q, cache)  # nothing planned yet
     host = fsm.plan_prefix_tail_host(qsl, seq, num_rows=rows, page_size=page)
@@ -340,11 +341,14 @@ def test_prefix_tail_plan_uses_persistent_buffers(fake_flashinfer):
     flat = dcp.build_flat_decode(seq, qsl, table, layout=DCPLayout(), causal=True,
                                  num_rows=rows)
     ptrs, wrappers = [], []
-    for lens in (seq, seq.flip(0)):
+    # As the builder: the plan vLLM captures is for_graph, its replays reuse
+    # the CUDA-graph wrapper of that segment count.
+    for lens, for_graph in ((seq, True), (seq.flip(0), False)):
         host = fsm.plan_prefix_tail_host(qsl, lens.clamp(max=seq.min()),
                                          num_rows=rows, page_size=page,
                                          whole_pages=False)
-        mla.plan_prefix_tail(host, table, flat.seq_lens, flat.block_table)
+        mla.plan_prefix_tail(host, table, flat.seq_lens, flat.block_table,
+                             for_graph=for_graph)
         ptrs.append(fake_flashinfer.calls[-1][1]["metadata"].kv_indices.data_ptr())
         ptrs.append(mla.tail.prefix_lens.data_ptr())
         wrappers.append(mla._wrapper)
@@ -365,9 +369,9 @@ def _check_schedule_reuse(*, dtype, heads, page, tol):
     count after each (see the tests below)."""
     cols, scale = 8, 0.07
     gen = torch.Generator().manual_seed(5)
-    mla = fsm.FlashInferSm90MLA(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE),
-                                num_heads=heads, page_size=page, sm_scale=scale,
-                                dtype=dtype, max_rows=4, max_cols=cols)
+    mla = GraphedFA3(torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE),
+                     num_heads=heads, page_size=page, sm_scale=scale,
+                     dtype=dtype, max_rows=4, max_cols=cols)
     two, one = [0, 2, 4], [0, 1, 2]  # query offsets: 2 segments; 2 + 2 padding
     steps = [  # (global lengths in 1/16 pages, query offsets, FA3 plans so far)
         ((40, 70), two, 1),  # prefixes 39, 69 -> 32, 64 (page 16)
@@ -445,10 +449,10 @@ def test_calls_bind_to_installed_flashinfer(fake_flashinfer, monkeypatch):
     cache, table, seq, qsl, q, page, heads = _dcp_case(3, True)
     flat = dcp.build_flat_decode(seq, qsl, table, layout=DCPLayout(2, 0, 1),
                                  causal=True, num_rows=q.shape[0])
-    mla = fsm.FlashInferSm90MLA(torch.empty(8, dtype=torch.uint8),
-                                num_heads=heads, page_size=page, sm_scale=0.1,
-                                dtype=torch.float32, max_rows=q.shape[0],
-                                max_cols=table.shape[1])
+    mla = GraphedFA3(torch.empty(8, dtype=torch.uint8),  # both wrappers bind
+                     num_heads=heads, page_size=page, sm_scale=0.1,
+                     dtype=torch.float32, max_rows=q.shape[0],
+                     max_cols=table.shape[1])
     fa3_native.plan_prefix_tail_from_rows(mla, flat, qsl)
     mla.run(q, cache)
     native = fa3_native.NativeFA3MLA(torch.empty(8, dtype=torch.uint8),

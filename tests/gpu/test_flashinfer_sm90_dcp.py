@@ -48,12 +48,15 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer.mla")
 
 from tests.support.dense_reference import random_decode_batch  # noqa: E402
-from tests.support.fa3_native import NativeFA3MLA, plan_prefix_tail_from_rows  # noqa: E402
+from tests.support.fa3_native import (  # noqa: E402
+    FlashInferSm90MLAGraphed,
+    NativeFA3MLA,
+    plan_prefix_tail_from_rows,
+)
 
 from vllm.v1.attention.ops.dcp_decode import (  # noqa: E402
     DCPLayout, build_flat_decode, merge_partials, mla_decode_reference)
 from tools.dcp_simulated_ranks import shard_paged_kv  # noqa: E402
-from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA  # noqa: E402
 from vllm.v1.attention.ops.triton_dcp_metadata import (  # noqa: E402
     build_flat_decode_triton)
 
@@ -160,9 +163,9 @@ def _run_case(ws, heads, world, inter, causal, qpass, *, plant=False) -> dict:
             layout=DCPLayout(world, rank, inter), causal=causal, num_rows=rows)
         if plant:
             _plant_off_by_one(flat, rows, full.seq_lens.to(DEV))
-        mla = FlashInferSm90MLA(ws, num_heads=heads, page_size=PAGE,
-                                sm_scale=SCALE, dtype=DTYPE, max_rows=rows,
-                                max_cols=local_table.shape[1])
+        mla = FlashInferSm90MLAGraphed(ws, num_heads=heads, page_size=PAGE,
+                                       sm_scale=SCALE, dtype=DTYPE, max_rows=rows,
+                                       max_cols=local_table.shape[1])
         plan_prefix_tail_from_rows(mla, flat, qsl.to(DEV))
         out = torch.full((rows, heads, DV), float("nan"), dtype=DTYPE, device=DEV)
         lse = torch.full((rows, heads), float("nan"), device=DEV)

@@ -5,6 +5,10 @@
   request over its whole KV (with ``causal`` the queries are bottom-right
   aligned on it, FlashInfer's convention: the no-DCP speculative verify). The
   baseline of the decode benchmarks, and the direct check of the LSE base.
+- ``FlashInferSm90MLAGraphed``: ``FlashInferSm90MLA`` with every segment
+  count on a CUDA-graph wrapper, for checks and benchmarks that capture
+  graphs of plans they make themselves (the backend marks the plans vLLM
+  captures, ``for_graph``).
 - ``plan_prefix_tail_from_rows``: the backend's prefix+tail plan
   (``plan_prefix_tail_host`` + ``FlashInferSm90MLA.plan_prefix_tail``) with
   every request's prefix at its first token's exact local bound, read back
@@ -24,7 +28,16 @@ from vllm.v1.attention.ops.flashinfer_sm90_mla import (FlashInferSm90MLA,
                                                        plan_fa3_csr,
                                                        plan_prefix_tail_host)
 
-__all__ = ["NativeFA3MLA", "paged_kv_csr", "plan_prefix_tail_from_rows"]
+__all__ = ["FlashInferSm90MLAGraphed", "NativeFA3MLA", "paged_kv_csr",
+           "plan_prefix_tail_from_rows"]
+
+
+class FlashInferSm90MLAGraphed(FlashInferSm90MLA):
+    """``FlashInferSm90MLA`` planning every segment count on a FlashInfer
+    CUDA-graph wrapper, so that any of its plans may be captured."""
+
+    def _on_graph_wrapper(self, num_segments: int) -> bool:
+        return True
 
 
 def paged_kv_csr(kv_lens: torch.Tensor, block_table: torch.Tensor,

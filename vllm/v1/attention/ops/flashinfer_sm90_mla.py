@@ -277,15 +277,6 @@ class FlashInferSm90MLA:
         max_rows, max_cols: capacity of the persistent plan buffers (query
             rows and block-table columns), fixed: a captured graph keeps
             their addresses.
-        graph_segment_counts: segment counts S whose prefix+tail plans go
-            through a FlashInfer CUDA-graph wrapper (one per S, made on first
-            use, with reserved metadata buffers and an integer workspace that
-            every later plan of that S rewrites in place); other plans use a
-            plain wrapper, which a CUDA graph must never capture (it
-            allocates a new workspace per plan: ``run`` refuses it while
-            capturing). A plan made ``for_graph`` adds its S to the set, so a
-            builder that passes ``set()`` gets graph wrappers for exactly the
-            shapes vLLM captures. None: every S (tests and scripts).
         tail_keys_per_step, tail_num_stages: the tail kernel's keys per
             loop step and pipelining stages (``mla_tail_merge.tail_merge``);
             64 keys take a whole-page tail in one or two steps (benchmarks/
@@ -310,7 +301,6 @@ class FlashInferSm90MLA:
         rope_dim: int = 64,
         max_rows: int,
         max_cols: int,
-        graph_segment_counts: set[int] | None = None,
         tail_keys_per_step: int = 64,
         tail_num_stages: int = 2,
     ) -> None:
@@ -321,8 +311,13 @@ class FlashInferSm90MLA:
         self._eager_wrapper = BatchMLAPagedAttentionWrapper(workspace, backend="fa3")
         self._wrapper = self._eager_wrapper
         self._graph_wrappers: dict[int, object] = {}
-        self._graph_segment_counts = (None if graph_segment_counts is None
-                                      else set(graph_segment_counts))
+        # Segment counts S planned ``for_graph``: their plans go through a
+        # FlashInfer CUDA-graph wrapper (one per S, made on first use, with
+        # reserved metadata buffers and an integer workspace that every later
+        # plan of that S rewrites in place); other plans use the plain
+        # wrapper, which a CUDA graph must never capture (it allocates a new
+        # workspace per plan: ``run`` refuses it while capturing).
+        self._graph_segment_counts: set[int] = set()
         self.device = workspace.device
         self.num_heads = num_heads
         self.page_size = page_size
@@ -353,12 +348,15 @@ class FlashInferSm90MLA:
                 f"({self._max_rows} x {self._max_cols}); raise --max-num-seqs "
                 f"or --max-model-len consistently")
 
+    def _on_graph_wrapper(self, num_segments: int) -> bool:
+        """Whether plans of S segments go through a CUDA-graph wrapper."""
+        return num_segments in self._graph_segment_counts
+
     def _wrapper_for(self, num_segments: int):
         """The CUDA-graph wrapper of S segments (FlashInfer keeps its
         metadata pointers and integer workspace fixed across its replans),
         or the plain one where S is not a graph's segment count."""
-        if (self._graph_segment_counts is not None
-                and num_segments not in self._graph_segment_counts):
+        if not self._on_graph_wrapper(num_segments):
             return self._eager_wrapper
         wrapper = self._graph_wrappers.get(num_segments)
         if wrapper is None:
@@ -435,7 +433,7 @@ class FlashInferSm90MLA:
                 the same segment count, on a CUDA-graph wrapper.
         """
         num_rows, num_segs = plan.num_rows, plan.num_segments
-        if for_graph and self._graph_segment_counts is not None:
+        if for_graph:
             self._graph_segment_counts.add(num_segs)
         num_cols = block_table.shape[1]
         self._check_capacity(num_rows, num_cols)

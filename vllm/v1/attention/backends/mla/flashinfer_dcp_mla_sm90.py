@@ -72,7 +72,7 @@ class Sm90RowPlanner:
                 dtype=self._vllm_config.model_config.dtype,
                 kv_lora_rank=self._kv_lora_rank, rope_dim=self._rope_dim,
                 max_rows=self.setting.row_capacity,
-                max_cols=self.setting.block_table_width, graph_segment_counts=set())
+                max_cols=self.setting.block_table_width)
         return self._kernel
 
     def plan(self, decode: DCPDecodeMetadata, workspace: torch.Tensor, *,
