@@ -325,7 +325,8 @@ def test_eager_forwards_merge_to_dense(tmp_path, backend, world, interleave, dra
         per_rank = []
         for rank, state in enumerate(sim.ranks):
             with sim.rank_context(rank):
-                kernel = getattr(state.builder, "_fa3", None)
+                planner = getattr(state.builder, "_sm90", None)  # FLASHINFER_MLA
+                kernel = planner.kernel if planner is not None else None
                 before = kernel.fa3_plans if kernel is not None else 0
                 metadata = state.builder.build(0, sim.common(rank, batch))
                 per_rank.append(sim.forward(rank, metadata, batch.num_tokens))

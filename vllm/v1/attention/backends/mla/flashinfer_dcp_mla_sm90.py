@@ -45,7 +45,9 @@ class Sm90RowPlanner:
         self._page_size = page_size
         self._kv_lora_rank = kv_lora_rank
         self._rope_dim = rope_dim
-        self._kernel = None  # made on the first plan, when the impls exist
+        # The group's FlashInferSm90MLA, made by the first plan (when the
+        # layers' impls exist).
+        self.kernel = None
 
     def _softmax_scale(self) -> float:
         """The group's softmax scale, read off its layers' impls (as vLLM's
@@ -59,21 +61,21 @@ class Sm90RowPlanner:
                 f"group; its layers have {sorted(map(str, scales))}")
         return scales.pop()
 
-    def kernel(self, workspace: torch.Tensor):
+    def _make_kernel(self, workspace: torch.Tensor):
         """The group's ``FlashInferSm90MLA``, sized for the largest decode
         batch. No CUDA-graph wrapper up front: a plan for capture makes the
         one of its segment count."""
         from vllm.v1.attention.ops.flashinfer_sm90_mla import FlashInferSm90MLA
 
-        if self._kernel is None:
-            self._kernel = FlashInferSm90MLA(
+        if self.kernel is None:
+            self.kernel = FlashInferSm90MLA(
                 workspace, num_heads=self.setting.gathered_heads,
                 page_size=self._page_size, sm_scale=self._softmax_scale(),
                 dtype=self._vllm_config.model_config.dtype,
                 kv_lora_rank=self._kv_lora_rank, rope_dim=self._rope_dim,
                 max_rows=self.setting.row_capacity,
                 max_cols=self.setting.block_table_width)
-        return self._kernel
+        return self.kernel
 
     def plan(self, decode: DCPDecodeMetadata, workspace: torch.Tensor, *,
              block_table: torch.Tensor, query_start_loc_cpu: torch.Tensor,
@@ -93,7 +95,7 @@ class Sm90RowPlanner:
             num_rows: T, decode query rows the layers run.
             for_graph: the forward is captured in a CUDA graph.
         """
-        kernel = self.kernel(workspace)
+        kernel = self._make_kernel(workspace)
         if host_seq_lens is None:
             host_seq_lens = decode.dcp_tot_seq_lens.cpu()
         kernel.plan_rows(query_start_loc_cpu, host_seq_lens, block_table,
