@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.support.builder_harness import make_vllm_config
-from test_backend_contracts import Backend, assert_matches_full_attention, run_steps
+from tests.test_backend_contracts import Backend, assert_matches_full_attention, run_steps
 
 # The repro of issue 11: device lengths [5, 1, 3, 3], host [3, 3, 3, 3],
 # vLLM's promised bound 5 (1 + 4 drafts scheduled before the trim).
@@ -43,7 +43,7 @@ def test_sm100_backends_follow_the_device_layout(tmp_path, name, interleave):
 
 @pytest.mark.parametrize("interleave", [1, 16])
 def test_cpu_backend_follows_the_device_layout(tmp_path, interleave):
-    from test_cpu_dcp_mla import dcp_context, make_impl
+    from tests.test_cpu_dcp_mla import dcp_context, make_impl
 
     from tests.support.builder_harness import common_metadata, make_builder
     from tests.support.dense_reference import full_attention, random_decode_batch

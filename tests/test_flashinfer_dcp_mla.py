@@ -31,7 +31,7 @@ from tests.support.builder_harness import (
     make_vllm_config)
 from tests.support.dense_reference import full_attention, random_decode_batch
 from tests.support.kernel_stubs import import_on_cpu
-from test_flashinfer_sm90_mla import _FakeWrapper, fake_flashinfer_package
+from tests.test_flashinfer_sm90_mla import _FakeWrapper, fake_flashinfer_package
 from tests.support.triton_interpreted import (
     needs_triton, run_triton_path_tests, runs_where_triton_cannot)
 from vllm.v1.attention.ops.dcp_decode import DCPLayout

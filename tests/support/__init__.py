@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What tests and benchmarks share (no tests here)."""
