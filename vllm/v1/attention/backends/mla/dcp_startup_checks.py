@@ -167,9 +167,7 @@ def check_vllm_config(vllm_config) -> None:
     if (parallel.decode_context_parallel_size == 1 or model is None
             or not model.use_mla):
         return
-    capability = (None if current_platform.is_cpu()
-                  else current_platform.get_device_capability())
-    gpu_major = None if capability is None else capability.major
+    gpu_major = None if current_platform.is_cpu() else checks.current_gpu_major()
     choices = _chosen_backends(vllm_config, current_platform)
     for choice in choices:
         if choice.name not in checks.PROBLEMS:  # AMX_MLA on a CPU with AMX
