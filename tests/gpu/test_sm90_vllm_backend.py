@@ -107,6 +107,8 @@ class SimulatedRanks:
         builder_cls, impl_cls = _classes(backend)
         self.world, self.interleave, self.draft = world, interleave, draft
         self.causal = not draft
+        # Made before any capture: a CUDA graph cannot copy a new scale in.
+        self.layer = _layer()
         self.query_len = NUM_SPEC if draft else 1 + NUM_SPEC
         self.config = make_vllm_config(
             tmp_path / "model", dcp=world, interleave=interleave,
@@ -196,7 +198,7 @@ class SimulatedRanks:
     def forward(self, rank, metadata, num_tokens):
         """Every layer's ``forward_mqa``: [(out, lse)] per layer."""
         state = self.ranks[rank]
-        return [state.impl.forward_mqa(q[:num_tokens], cache, metadata, _layer())
+        return [state.impl.forward_mqa(q[:num_tokens], cache, metadata, self.layer)
                 for q, cache in zip(self.q, state.caches)]
 
     def dense(self, batch):
