@@ -17,6 +17,7 @@ FLASHINFER_MLA = "FLASHINFER_MLA"
 TOKENSPEED_MLA = "TOKENSPEED_MLA"
 CPU_MLA = "CPU_MLA"
 TRITON_MLA = "TRITON_MLA"
+FLASH_ATTN_MLA = "FLASH_ATTN_MLA"
 
 # MLA latent layout every kernel here is built for (DeepSeek-V3 / Kimi-K3).
 KV_LORA_RANK = 512
@@ -29,7 +30,9 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 # read off here so that the config-time check need not import the kernels
 # (flashinfer's import queries the GPU, which must not happen in vLLM's
 # front-end process).
-KERNEL_BLOCK_SIZES = {FLASHINFER_MLA: (32, 64), TOKENSPEED_MLA: (32, 64)}
+KERNEL_BLOCK_SIZES = {FLASHINFER_MLA: (32, 64), TOKENSPEED_MLA: (32, 64),
+                      # any multiple of 16: vLLM's default stands (16 or 64)
+                      FLASH_ATTN_MLA: (16, 64)}
 
 
 def default_block_size(backend: str) -> int:
@@ -107,9 +110,9 @@ def flashinfer_problems(s: DCPSetting) -> list[str]:
     if s.gpu_major == 9 and s.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         problems.append(
             f"FLASHINFER_MLA on sm90 reads a bf16/fp16 KV cache, not "
-            f"{s.kv_cache_dtype}: use --kv-cache-dtype auto, or keep the layers "
-            "it runs unquantized with --kv-cache-dtype-skip-layers (the DSpark "
-            "draft's: their indices follow the target's).")
+            f"{s.kv_cache_dtype}: use --kv-cache-dtype auto, or keep the draft's "
+            "layers unquantized with \"kv_cache_dtype\": \"auto\" in "
+            "--speculative-config.")
     if s.qk_nope_head_dim not in FLASHINFER_QK_NOPE_HEAD_DIMS:
         problems.append(
             f"FLASHINFER_MLA needs qk_nope_head_dim in "
@@ -161,8 +164,43 @@ def triton_problems(s: DCPSetting) -> list[str]:
     return _layout_problems(s)
 
 
+def flashattn_dspark_problem(s: DCPSetting) -> str | None:
+    """Why vLLM's FLASH_ATTN_MLA builder refuses this setting at model load:
+    it serves DSpark's multi-token queries under DCP at interleave 1 only
+    (``supports_dcp_with_varlen=(interleave_size == 1)``)."""
+    if s.dcp_size > 1 and s.interleave > 1 and s.speculative_method == "dspark":
+        return (
+            f"FLASH_ATTN_MLA serves DSpark under decode context parallelism at "
+            f"--cp-kv-cache-interleave-size 1 only, not {s.interleave}: use "
+            "--cp-kv-cache-interleave-size 1, or leave --attention-backend "
+            "out (vLLM then picks a backend that serves this interleave).")
+    return None
+
+
+def flashattn_problems(s: DCPSetting) -> list[str]:
+    """Why vLLM's FLASH_ATTN_MLA, named, cannot run this DCP setting (none:
+    []): what its selector check and builder refuse at model load."""
+    problems = _layout_problems(s)
+    if s.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+        problems.append(
+            f"FLASH_ATTN_MLA reads a bf16/fp16 KV cache, not {s.kv_cache_dtype}: "
+            "use --kv-cache-dtype auto, or leave the backend out (vLLM picks "
+            "FLASHMLA for fp8 on Hopper).")
+    if s.draft:
+        problems.append(
+            "FLASH_ATTN_MLA has no non-causal attention for the DSpark draft's "
+            "block: drop attention_backend from --speculative-config (or name "
+            "FLASHINFER_MLA there).")
+    elif (problem := flashattn_dspark_problem(s)) is not None:
+        problems.append(problem)
+    return problems
+
+
 PROBLEMS = {FLASHINFER_MLA: flashinfer_problems, TOKENSPEED_MLA: tokenspeed_problems,
-            CPU_MLA: cpu_problems, TRITON_MLA: triton_problems}
+            CPU_MLA: cpu_problems, TRITON_MLA: triton_problems,
+            FLASH_ATTN_MLA: flashattn_problems}
+# The CUDA backends the start-up checks judge when a flag names them.
+NAMED_CUDA_BACKENDS = (FLASHINFER_MLA, TOKENSPEED_MLA, FLASH_ATTN_MLA)
 
 
 def raise_if_unsupported(backend: str, setting: DCPSetting,

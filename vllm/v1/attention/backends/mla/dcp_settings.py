@@ -47,18 +47,50 @@ def draft_layer_indices(vllm_config) -> range:
     return range(start, start + spec.draft_model_config.get_total_num_hidden_layers())
 
 
+# Architectures whose MLA layers are Kimi-K3's own ``MultiHeadLatentAttention``
+# (``vllm/models/kimi_k3/nvidia/mla.py``): it takes ``cache_config.cache_dtype``
+# for every layer and never reads ``--kv-cache-dtype-skip-layers`` (vLLM's
+# generic ``MLAAttention`` does). Kimi-K3's text model is built as
+# ``KimiLinearForCausalLM``; its DSpark draft is ``K3DSparkModel``.
+SKIP_LIST_BLIND_ARCHITECTURES = frozenset({
+    "KimiK3ForConditionalGeneration", "KimiK31ForConditionalGeneration",
+    "KimiLinearForCausalLM", "K3DSparkModel", "KimiK3MTPModel",
+})
+
+
+def reads_kv_cache_dtype_skip_layers(model_config) -> bool:
+    """Whether the attention layers vLLM builds for ``model_config`` apply
+    ``--kv-cache-dtype-skip-layers``."""
+    architectures = getattr(model_config.hf_config, "architectures", None) or ()
+    return not SKIP_LIST_BLIND_ARCHITECTURES.intersection(architectures)
+
+
 def model_kv_cache_dtype(vllm_config, draft: bool) -> str:
-    """The KV-cache dtype of the target's layers, or the draft's (``draft``):
-    ``--kv-cache-dtype``, unquantized (``auto``) where
-    ``--kv-cache-dtype-skip-layers`` names every one of them (vLLM reads it
-    per layer index in ``MLAAttention.__init__``)."""
+    """The KV-cache dtype the target's layers, or the draft's (``draft``),
+    are built with, as vLLM's layer classes compute it.
+
+    The draft's loaders (``load_dspark_model`` and the other draft-model
+    speculators) build it under ``cache_dtype`` = the speculative config's
+    ``kv_cache_dtype`` where that is set, else ``--kv-cache-dtype``. Then
+    unquantized (``auto``) where ``--kv-cache-dtype-skip-layers`` names every
+    layer of the model, only for layer classes that read that list
+    (``MLAAttention``, per layer index; see
+    ``reads_kv_cache_dtype_skip_layers``).
+    """
     cache = vllm_config.cache_config
+    spec = vllm_config.speculative_config
+    dtype = cache.cache_dtype
+    model_config = vllm_config.model_config
+    if draft and spec is not None:
+        dtype = getattr(spec, "kv_cache_dtype", None) or dtype
+        model_config = spec.draft_model_config or model_config
     skipped = set(getattr(cache, "kv_cache_dtype_skip_layers", None) or ())
     layers = (draft_layer_indices(vllm_config) if draft else
               range(vllm_config.model_config.get_total_num_hidden_layers()))
-    if skipped and layers and all(str(i) in skipped for i in layers):
+    if (skipped and layers and all(str(i) in skipped for i in layers)
+            and reads_kv_cache_dtype_skip_layers(model_config)):
         return "auto"
-    return str(cache.cache_dtype)
+    return str(dtype)
 
 
 def decodes_non_causal_block(vllm_config, layer_names) -> bool:
@@ -107,6 +139,7 @@ class DCPSetting:
     qk_rope_head_dim: int
     v_head_dim: int
     draft: bool = False  # the draft model's layers (``is_draft_group``)
+    speculative_method: str | None = None  # --speculative-config's method
     # Builder-only:
     dcp_rank: int = 0
     gathered_heads: int = 0  # query heads a rank attends after DCP's gather
@@ -135,6 +168,7 @@ class DCPSetting:
             qk_rope_head_dim=getattr(hf, "qk_rope_head_dim", 0) or 0,
             v_head_dim=getattr(hf, "v_head_dim", 0) or 0,
             draft=draft,
+            speculative_method=spec.method if spec is not None else None,
         )
 
     @classmethod

@@ -19,10 +19,12 @@ Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
     this patch gives DCP, or ``AMX_MLA`` on CPUs with AMX tiles unless
     ``--attention-backend CPU_MLA`` is given), for the target's layers and
     a DSpark draft's (``attention_backend`` in ``--speculative-config``).
-  * CUDA: ``FLASHINFER_MLA`` / ``TOKENSPEED_MLA`` when named by
+  * CUDA: the backends of ``checks.NAMED_CUDA_BACKENDS`` when named by
     ``--attention-backend`` or the draft's ``attention_backend`` in
     ``--speculative-config``, with the block size vLLM will pick for them
-    (read off a table: importing their kernels here would touch the GPU).
+    (read off a table: importing their kernels here would touch the GPU),
+    for each model's layers with the KV dtype vLLM builds them with
+    (``dcp_settings.model_kv_cache_dtype``).
   * Any platform: the interleave against an explicit ``--block-size``.
 A backend vLLM picks by itself on CUDA is known only inside the workers;
 there the backends' selection hooks and builders check it.
@@ -46,8 +48,6 @@ class _BackendChoice:
 
 def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
     """Overridden MLA backends this config will run DCP on, known now."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
     spec = vllm_config.speculative_config
     if platform.is_cpu():
         # vLLM's CPU selector follows --attention-backend CPU_MLA (what an
@@ -73,8 +73,7 @@ def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
             (vllm_config.attention_config.backend, "--attention-backend", False),
             (spec.attention_backend if spec is not None else None,
              "attention_backend in --speculative-config", True)):
-        if backend in (AttentionBackendEnum.FLASHINFER_MLA,
-                       AttentionBackendEnum.TOKENSPEED_MLA):
+        if backend is not None and backend.name in checks.NAMED_CUDA_BACKENDS:
             chosen.append(_BackendChoice(backend.name, flag, draft))
     return chosen
 

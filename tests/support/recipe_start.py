@@ -1,0 +1,313 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Start a ``vllm serve`` recipe on CPU as vLLM starts it on a GPU.
+
+``start_recipe(argv, major)`` takes the flags of a ``vllm serve`` command and
+runs, on a tiny Kimi-K3 target and its K3 DSpark draft (config only, no
+weights, built on the meta device), what vLLM runs before the first token,
+with vLLM's own code:
+
+1. the ``VllmConfig``, from the exact flags through vLLM's CLI parser and
+   ``EngineArgs`` (``cuda_selection.gpu_engine_config``: built on the CPU
+   platform, as a GPU would build it), then the plugin's start-up checks,
+   the platform answering as sm``major``0 (``check_as_gpu``);
+2. the worker's model load: vLLM's model classes for the target
+   (``KimiLinearForCausalLM``, the text model Kimi-K3 builds, its layers
+   Kimi-K3's ``MultiHeadLatentAttention``) and the draft (vLLM's
+   ``load_dspark_model``, which derives the draft's config: its attention
+   backend, KV dtype and non-causal attention), each layer selecting its
+   backend with its own KV dtype through vLLM's selector as on sm``major``0
+   (``cuda_selection.as_cuda_gpu``), the plugin's overrides registered;
+3. the platform's ``update_block_size_for_backend``, vLLM's KV-cache specs
+   (``get_kv_cache_spec``) and grouping (``get_kv_cache_groups``), and every
+   group's metadata builders (``init_attn_backend``), on rank 0 of a faked
+   DCP group.
+
+What stands in for a GPU: the process groups (a rank of ``-tp`` / ``-dcp``
+that talks to nobody), CUDA streams and events (none), the DCP
+communication manager (no collectives) and the MLA *prefill* backend (a
+stand-in: FlashAttention's prefill kernels are absent from CPU builds; the
+decode backends are the subject). Any error vLLM or the plugin raises on the
+way is raised as is: a recipe that this does not start would fail on a GPU
+at that step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from tests.support.builder_harness import _fake_dcp_manager, fake_dcp_group
+from tests.support.cuda_selection import (as_cuda_gpu, check_as_gpu,
+                                          gpu_engine_config, plugin_registered)
+from tests.support.tiny_dspark import tiny_dspark_config
+
+K3_TARGET_LAYERS = 61  # Kimi-K3's; a recipe's layer indices are counted in it
+TINY_TARGET_LAYERS = 2
+TINY_DRAFT_LAYERS = 1
+
+
+def tiny_k3_configs(*, num_layers: int = TINY_TARGET_LAYERS,
+                    num_draft_layers: int = TINY_DRAFT_LAYERS,
+                    num_heads: int = 16) -> tuple[dict, dict]:
+    """config.json of a tiny Kimi-K3 text model (every layer MLA, NoPE, with
+    Kimi-K3's 512 + 64 latent and q-LoRA) and of a K3 DSpark draft for it.
+
+    ``num_heads`` 16: 2 per rank at ``-tp 8``, as Kimi-K3's 96 are 12."""
+    target = dict(
+        architectures=["KimiLinearForCausalLM"], model_type="kimi_linear",
+        vocab_size=256, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_heads, q_lora_rank=128, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        mla_use_nope=True, mla_use_output_gate=False, linear_attn_config=None,
+        # No KDA layers: vLLM then treats the model as attention-only.
+        layer_types=["full_attention"] * num_layers,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="silu",
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
+    draft = tiny_dspark_config(target, num_layers=num_draft_layers)
+    draft["torch_dtype"] = "bfloat16"
+    return target, draft
+
+
+def write_tiny_k3_pair(root: Path) -> tuple[Path, Path]:
+    """The two configs as checkpoint folders (config.json only)."""
+    target, draft = tiny_k3_configs()
+    paths = []
+    for name, config in (("target", target), ("draft", draft)):
+        path = Path(root) / name
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(config))
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def serve_args(argv: list[str] | str):
+    """``vllm serve`` flags (after the model) as vLLM's CLI parser reads them:
+    its ``EngineArgs``."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if isinstance(argv, str):
+        argv = shlex.split(argv)
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(["--model", "unused", *argv]))
+
+
+def _tiny_layer_index(index: int) -> int:
+    """A Kimi-K3 layer index of a recipe (0-60 the target's, 61 on the
+    draft's) as the same layer of the tiny pair."""
+    if index >= K3_TARGET_LAYERS:
+        return TINY_TARGET_LAYERS + index - K3_TARGET_LAYERS
+    if index >= TINY_TARGET_LAYERS:
+        raise ValueError(f"layer {index}: the tiny target has "
+                         f"{TINY_TARGET_LAYERS} layers")
+    return index
+
+
+def engine_flags(args, target: Path, draft: Path, *, dcp: int | None = None,
+                 k3_layer_indices: bool = True) -> dict:
+    """The ``EngineArgs`` fields a recipe sets, for the tiny pair: its model
+    and draft replaced, ``-dcp`` replaced by ``dcp`` if given, layer indices
+    mapped to the tiny pair (``k3_layer_indices``: they count Kimi-K3's)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    defaults = EngineArgs(model="unused")
+    flags = {name: value for name, value in vars(args).items()
+             if value != getattr(defaults, name) and name != "model"}
+    spec = dict(flags.get("speculative_config") or {})
+    if spec:
+        spec["model"] = str(draft)
+        flags["speculative_config"] = spec
+    skipped = flags.get("kv_cache_dtype_skip_layers")
+    if skipped and k3_layer_indices:
+        flags["kv_cache_dtype_skip_layers"] = [
+            str(_tiny_layer_index(int(i))) if str(i).isdigit() else i
+            for i in skipped]
+    if dcp is not None:
+        flags["decode_context_parallel_size"] = dcp
+    flags.setdefault("max_model_len", 4096)
+    flags.setdefault("dtype", "bfloat16")
+    return flags
+
+
+@dataclass(frozen=True)
+class LayerStart:
+    """One attention layer as the worker built it."""
+
+    draft: bool  # the DSpark draft's (built by load_dspark_model)
+    backend: str  # the backend it selected
+    kv_cache_dtype: str  # its own (the layer's ``kv_cache_dtype``)
+    builder: str  # its group's metadata builder class
+
+
+@dataclass(frozen=True)
+class RecipeStart:
+    """What a started recipe runs: every layer, and the block size."""
+
+    block_size: int
+    kernel_block_sizes: tuple[int, ...]
+    layers: dict[str, LayerStart]
+    vllm_config: object
+
+    def role(self, draft: bool) -> tuple[str, str]:
+        """(backend, KV dtype) of the target's (or draft's) layers; one pair."""
+        pairs = {(layer.backend, layer.kv_cache_dtype)
+                 for layer in self.layers.values() if layer.draft == draft}
+        assert len(pairs) == 1, pairs
+        return next(iter(pairs))
+
+
+class _PrefillStandIn:
+    """The MLA prefill backend a layer keeps (prefill is not under test)."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "PREFILL_STAND_IN"
+
+    def clone(self):
+        return self
+
+
+def _import_on_cpu() -> None:
+    """vLLM modules that must be imported as on the CPU platform: at import
+    they probe the GPU ops of the current platform (absent here)."""
+    import vllm.compilation.backends  # noqa: F401
+    import vllm.model_executor.model_loader  # noqa: F401
+    import vllm.model_executor.models.qwen3_dflash  # noqa: F401
+    import vllm.models.kimi_k3.nvidia.dspark_mla  # noqa: F401
+    import vllm.models.kimi_k3.nvidia.model  # noqa: F401
+    import vllm.v1.worker.gpu.attn_utils  # noqa: F401
+    import vllm.v1.worker.gpu.spec_decode.dspark.utils  # noqa: F401
+    import vllm.v1.worker.gpu.spec_decode.eagle.utils  # noqa: F401
+
+
+@contextlib.contextmanager
+def _worker_rank(cuda_platform, tp: int, dcp: int):
+    """Rank 0 of ``-tp tp -dcp dcp`` without a process group, and the other
+    GPU-only pieces the model classes construct."""
+    from vllm.config.vllm import VllmConfig
+    from vllm.distributed import parallel_state
+    from vllm.v1.attention.backends.mla.prefill import selector as prefill
+
+    def group(size):
+        return SimpleNamespace(world_size=size, rank_in_group=0, rank=0,
+                               ranks=list(range(size)), is_first_rank=True,
+                               is_last_rank=True)
+
+    runner_check = next(name for name in ("_validate_v1_model_runner",  # 0.32
+                                          "_validate_model_runner")  # 0.34
+                        if hasattr(VllmConfig, name))
+    prefill._auto_select_mla_prefill_backend.cache_clear()
+    try:
+        with contextlib.ExitStack() as stack:
+            enter = stack.enter_context
+            enter(fake_dcp_group(dcp, 0))
+            enter(mock.patch.object(parallel_state, "_TP", group(tp)))
+            enter(mock.patch.object(parallel_state, "_PP", group(1)))
+            enter(mock.patch.object(parallel_state, "_EP", group(1), create=True))
+            enter(mock.patch.object(torch.cuda, "Stream", lambda *a, **k: None))
+            enter(mock.patch.object(torch.cuda, "Event", lambda *a, **k: None))
+            enter(mock.patch("vllm.models.kimi_k3.nvidia.mla.MLADCPManager",
+                             lambda **kwargs: _fake_dcp_manager()))
+            enter(mock.patch.object(
+                cuda_platform, "get_mla_prefill_backend_cls",
+                classmethod(lambda cls, selector_config: _PrefillStandIn)))
+            # The draft's config is rebuilt (dataclass replace) on a config
+            # whose model runner was chosen on the CPU platform.
+            enter(mock.patch.object(VllmConfig, runner_check))
+            yield
+    finally:
+        prefill._auto_select_mla_prefill_backend.cache_clear()
+
+
+def _get_kv_cache_groups():
+    try:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # 0.32
+    except ImportError:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # 0.34
+    return get_kv_cache_groups
+
+
+def build_config(flags: dict, target: Path):
+    """The ``VllmConfig`` of ``flags`` for a GPU, as vLLM has it when its
+    platform hook runs: the block size not yet chosen unless ``--block-size``
+    named it."""
+    from vllm.config.cache import CacheConfig
+
+    config = gpu_engine_config(target, tp=flags.pop("tensor_parallel_size", 1),
+                               dcp=flags.pop("decode_context_parallel_size", 1),
+                               **flags)
+    if not config.cache_config.user_specified_block_size:
+        config.cache_config.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
+    return config
+
+
+def start_config(config, major: int) -> RecipeStart:
+    """Steps 2 and 3 on ``config`` (see the module docstring)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec, init_attn_backend
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
+
+    _import_on_cpu()
+    parallel = config.parallel_config
+
+    def get_model(*, vllm_config, model_config=None, **kwargs):
+        return initialize_model(vllm_config, model_config=model_config)
+
+    with plugin_registered(True), as_cuda_gpu(major) as cuda_platform, \
+            _worker_rank(cuda_platform, parallel.tensor_parallel_size,
+                         parallel.decode_context_parallel_size), \
+            set_default_torch_dtype(config.model_config.dtype), \
+            torch.device("meta"):
+        target = initialize_model(config)
+        num_target_layers = len(config.compilation_config.static_forward_context)
+        if config.speculative_config is not None:
+            assert config.speculative_config.method == "dspark"
+            with mock.patch("vllm.model_executor.model_loader.get_model", get_model):
+                load_dspark_model(target, config)
+        cuda_platform.update_block_size_for_backend(config)
+        with set_current_vllm_config(config):
+            specs = get_kv_cache_spec(config)
+            groups = _get_kv_cache_groups()(config, specs)
+            kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                            kv_cache_groups=groups)
+            attn_groups, _, kernel_block_sizes = init_attn_backend(
+                kv_cache_config, config, torch.device("cpu"))
+    context = config.compilation_config.static_forward_context
+    builders = {name: type(group.metadata_builders[0]).__name__
+                for groups_ in attn_groups for group in groups_
+                for name in group.layer_names}
+    layers = {name: LayerStart(draft=index >= num_target_layers,
+                               backend=layer.get_attn_backend().get_name(),
+                               kv_cache_dtype=str(layer.kv_cache_dtype),
+                               builder=builders[name])
+              for index, (name, layer) in enumerate(context.items())}
+    return RecipeStart(block_size=config.cache_config.block_size,
+                       kernel_block_sizes=tuple(kernel_block_sizes),
+                       layers=layers, vllm_config=config)
+
+
+def start_recipe(argv, major: int, root: Path, *, dcp: int | None = None,
+                 k3_layer_indices: bool = True) -> RecipeStart:
+    """Start ``vllm serve`` ``argv`` (the flags after the model) on an
+    sm``major``0 GPU, at ``-dcp dcp`` if given: steps 1 to 3. Raises what
+    vLLM or the plugin raises."""
+    target, draft = write_tiny_k3_pair(root)
+    flags = engine_flags(serve_args(argv), target, draft, dcp=dcp,
+                         k3_layer_indices=k3_layer_indices)
+    config = build_config(flags, target)
+    check_as_gpu(config, major)
+    return start_config(config, major)
