@@ -5,23 +5,19 @@ Through vLLM's selector (``get_attn_backend`` -> ``CudaPlatform``'s priority
 lists and each backend's ``validate_configuration``) with compute capability
 9.0 and 10.0: at ``-dcp 1`` every choice and CUDA-graph mode is upstream's;
 ``check_attention_cp_compatibility`` accepts every overridden backend for
-spec decode at interleave 16; and the README's production recipes select the
-backends they name and pass the start-up checks at dcp 1 and 8.
+spec decode at interleave 16. The README's and the launcher's recipes are
+started as vLLM starts them in ``tests/test_recipe_start.py``.
 """
 
 from __future__ import annotations
 
-import json
-import re
-from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 
-from tests.support.builder_harness import (fake_dcp_group, make_builder, make_mla_impl,
-                                           make_vllm_config)
+from tests.support.builder_harness import fake_dcp_group, make_mla_impl, make_vllm_config
 from tests.support.cuda_selection import as_cuda_gpu, plugin_registered, select_mla_backend
 from tests.support.dense_reference import KV_LORA_RANK, ROPE_DIM
 from tests.support.kernel_stubs import import_on_cpu
@@ -31,7 +27,6 @@ from tests.support.kernel_stubs import import_on_cpu
 # it when IMPLS constructs one).
 import_on_cpu("vllm.v1.attention.backends.mla.triton_mla")
 
-REPO = Path(__file__).resolve().parents[1]
 GPU_MAJORS = (9, 10)
 
 
@@ -199,98 +194,7 @@ def test_spec_decode_with_interleave_passes_vllms_cp_check(tmp_path, backend, dc
 
 
 # ---------------------------------------------------------------------------
-# The README's production recipes
-
-RECIPE_HEADING = "## Production recipe"
-
-
-def readme_recipes() -> dict[int, list[str]]:
-    """GPU major -> the ``vllm serve`` arguments of the README's recipe."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index(RECIPE_HEADING):]
-    section = section[:section.index("\n## ", len(RECIPE_HEADING))]
-    recipes = {}
-    for major, block in re.findall(
-            r"# sm(\d+)\b[^\n]*\n(vllm serve .*?)\n```", section, flags=re.S):
-        import shlex
-
-        recipes[int(major) // 10] = shlex.split(block.replace("\\\n", " "))[3:]
-    return recipes
-
-
-def _engine_args(argv: list[str]):
-    """The recipe's flags as vLLM's own CLI parser reads them."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    return EngineArgs.from_cli_args(parser.parse_args(["--model", "unused", *argv]))
-
-
-EXPECTED_BACKENDS = {  # (GPU major, dcp) -> (target, draft); dcp 8 as the README says
-    (9, 8): ("FLASH_ATTN_MLA", "FLASHINFER_MLA"),
-    (9, 1): ("FLASH_ATTN_MLA", "TRITON_MLA"),
-    (10, 8): ("FLASHINFER_MLA", "TOKENSPEED_MLA"),
-    (10, 1): ("FLASHINFER_MLA", "TOKENSPEED_MLA"),
-}
-
-
-def test_readme_has_one_recipe_per_generation():
-    recipes = readme_recipes()
-    assert sorted(recipes) == sorted(GPU_MAJORS)
-    text = (REPO / "README.md").read_text()
-    for major in GPU_MAJORS:
-        target, draft = EXPECTED_BACKENDS[major, 8]
-        assert f"sm{major}0: target {target}, draft {draft}" in text
-
-
-@pytest.fixture(scope="module")
-def tiny_draft_config(tmp_path_factory):
-    """vLLM's ``ModelConfig`` of a tiny DSpark draft (non-causal block)."""
-    from tests.support.tiny_dspark import build_tiny_dspark_checkpoint
-    from tests.support.tiny_mla import build_tiny_mla_checkpoint
-    from vllm.config import ModelConfig
-
-    root = tmp_path_factory.mktemp("recipe")
-    target = build_tiny_mla_checkpoint(root / "target", num_heads=8)
-    draft = build_tiny_dspark_checkpoint(root / "draft", target)
-    return ModelConfig(model=str(draft), dtype="bfloat16", max_model_len=512)
-
-
-@pytest.mark.parametrize("major", GPU_MAJORS)
-@pytest.mark.parametrize("dcp", [1, 8])
-def test_readme_recipe_passes_vllms_selection_and_start_up(
-        tmp_path, tiny_draft_config, major, dcp):
-    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
-    from vllm.v1.worker.gpu.spec_decode.dspark.utils import (
-        _resolve_dspark_attention_backend,
-    )
-
-    args = _engine_args(readme_recipes()[major])
-    spec = args.speculative_config
-    assert spec["method"] == "dspark"
-    assert (args.tensor_parallel_size, args.decode_context_parallel_size) == (8, 8)
-    config = make_vllm_config(tmp_path / "m", dcp=8, block_size=64,
-                              num_speculative_tokens=spec["num_speculative_tokens"])
-    config.parallel_config.decode_context_parallel_size = dcp
-    config.attention_config.backend = args.attention_backend and (
-        _backend_enum(args.attention_backend))
-    kv_cache_dtype = args.kv_cache_dtype
-    draft_backend = _resolve_dspark_attention_backend(
-        tiny_draft_config, _backend_enum(spec.get("attention_backend")),
-        config.attention_config.backend)
-    draft_non_causal = dflash_has_any_non_causal(tiny_draft_config.hf_config)
-    assert draft_non_causal
-
-    with plugin_registered(True):
-        target = _selected(select_mla_backend(config, major, non_causal=False,
-                                              kv_cache_dtype=kv_cache_dtype))
-        config.attention_config.backend = draft_backend
-        draft = _selected(select_mla_backend(config, major, non_causal=True,
-                                             kv_cache_dtype=kv_cache_dtype))
-    assert (target.get_name(), draft.get_name()) == EXPECTED_BACKENDS[major, dcp]
-    if dcp == 8:
-        _start_up(config, major, kv_cache_dtype, target, draft)
+# The README's and the launcher's recipes: tests/test_recipe_start.py
 
 
 def _backend_enum(name):
@@ -300,25 +204,6 @@ def _backend_enum(name):
         return name
     return AttentionBackendEnum[name]
 
-
-def _start_up(config, major, kv_cache_dtype, target, draft):
-    """What vLLM runs at start-up with these backends on rank 0 of dcp 8: each
-    builder's construction (the DSpark DCP validation, this project's checks)
-    and the model runner's ``check_attention_cp_compatibility``."""
-    from vllm.config import set_current_vllm_config
-
-    config.cache_config.cache_dtype = kv_cache_dtype
-    # vLLM only validates DSpark x DCP support when the method is dspark.
-    config.speculative_config.method = "dspark"
-    impls = []
-    with plugin_registered(True), as_cuda_gpu(major), fake_dcp_group(8, 0), \
-            set_current_vllm_config(config):
-        for backend, non_causal in ((target, False), (draft, True)):
-            make_builder(backend.get_builder_cls(), config, non_causal=non_causal)
-            impl_cls = backend.get_impl_cls()
-            impls.append(_make_impl(impl_cls.__module__, impl_cls.__name__,
-                                    kv_cache_dtype))
-    _cp_check(config, impls)
 
 
 def test_fp8_dspark_draft_on_hopper_falls_back_to_triton(tmp_path):
@@ -335,97 +220,6 @@ def test_fp8_dspark_draft_on_hopper_falls_back_to_triton(tmp_path):
     assert isinstance(upstream, ValueError)
     assert draft.__name__ == "TritonDCPMLABackend"
 
-
-
-# ---------------------------------------------------------------------------
-# fp8 KV on Hopper: the target's layers fp8, the DSpark draft's skipped (bf16)
-
-
-def _hopper_fp8_config(tmp_path, skip_draft_layers: bool):
-    from tests.support.cuda_selection import gpu_engine_config
-    from tests.support.tiny_dspark import build_config_only_pair
-
-    target, draft = build_config_only_pair(tmp_path)
-    num_target = json.loads((target / "config.json").read_text())["num_hidden_layers"]
-    num_draft = json.loads((draft / "config.json").read_text())["num_hidden_layers"]
-    skip = [str(num_target + i) for i in range(num_draft)]  # vLLM's draft names
-    return gpu_engine_config(
-        target, tp=8, dcp=8, dtype="bfloat16", max_model_len=2048,
-        kv_cache_dtype="fp8",
-        kv_cache_dtype_skip_layers=skip if skip_draft_layers else [],
-        speculative_config=dict(method="dspark", model=str(draft),
-                                num_speculative_tokens=4,
-                                attention_backend="FLASHINFER_MLA")), skip
-
-
-def test_hopper_fp8_kv_with_the_drafts_layers_skipped(tmp_path):
-    """--kv-cache-dtype fp8 -dcp 8 with the DSpark draft's layers in
-    --kv-cache-dtype-skip-layers on sm90: the start-up checks pass, vLLM
-    picks FLASHMLA (fp8) for the target's layers and the plugin's
-    FLASHINFER_MLA for the draft's (bf16), both builders start, and vLLM's
-    KV-cache grouping takes the two page sizes into one group."""
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    try:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # 0.32
-    except ImportError:
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # 0.34
-
-    from tests.support.cuda_selection import check_as_gpu
-
-    config, skip = _hopper_fp8_config(tmp_path, skip_draft_layers=True)
-    check_as_gpu(config, 9)
-    with plugin_registered(True):
-        target = _selected(select_mla_backend(config, 9, non_causal=False,
-                                              kv_cache_dtype="fp8"))
-        # vLLM's DSpark loader gives the draft its attention_backend.
-        config.attention_config.backend = AttentionBackendEnum.FLASHINFER_MLA
-        draft = _selected(select_mla_backend(config, 9, non_causal=True,
-                                             kv_cache_dtype="fp8",
-                                             layer_kv_cache_dtype="auto"))
-    assert (target.get_name(), draft.get_name()) == ("FLASHMLA", "FLASHINFER_MLA")
-    config.cache_config.block_size = 64
-    with plugin_registered(True), as_cuda_gpu(9), fake_dcp_group(8, 0), \
-            set_current_vllm_config(config):
-        make_builder(draft.get_builder_cls(), config, non_causal=True,
-                     layer_names=[f"model.layers.{skip[0]}.self_attn.attn"])
-
-    def spec(kv, dtype, non_causal):
-        return MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
-                                dtype=dtype, cache_dtype_str=kv,
-                                non_causal_multi_token_decode=non_causal)
-
-    specs = {"model.layers.0.self_attn.attn": spec("fp8", torch.uint8, False),
-             f"model.layers.{skip[0]}.self_attn.attn":
-                 spec("auto", torch.bfloat16, True)}
-    groups = get_kv_cache_groups(config, specs)
-    assert len(groups) == 1 and sorted(groups[0].layer_names) == sorted(specs)
-
-
-def test_hopper_fp8_kv_without_the_skip_list_names_it(tmp_path):
-    from tests.support.cuda_selection import check_as_gpu
-
-    config, _ = _hopper_fp8_config(tmp_path, skip_draft_layers=False)
-    with pytest.raises(ValueError, match="--kv-cache-dtype-skip-layers"):
-        check_as_gpu(config, 9)
-    with plugin_registered(True):
-        config.attention_config.backend = _backend_enum("FLASHINFER_MLA")
-        draft = select_mla_backend(config, 9, non_causal=True, kv_cache_dtype="fp8")
-    assert isinstance(draft, ValueError)
-
-
-def test_readme_hopper_fp8_recipe_is_vllms_cli():
-    """The README's Hopper fp8 recipe, as vLLM's own CLI parser reads it."""
-    import shlex
-
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"# Hopper[^\n]*fp8[^\n]*\n(vllm serve .*?)\n```", text, re.S)
-    args = _engine_args(shlex.split(block.group(1))[3:])
-    assert (args.kv_cache_dtype, args.kv_cache_dtype_skip_layers) == ("fp8", ["61"])
-    assert args.decode_context_parallel_size == 8
-    assert args.speculative_config["attention_backend"] == "FLASHINFER_MLA"
 
 
 @pytest.mark.parametrize("major", [8, 12])

@@ -313,31 +313,36 @@ def test_stop_escalates_to_the_group_when_the_server_is_stuck(tmp_path):
     assert not serve._group_alive(pgid)
 
 
-def test_hopper_fp8_keeps_the_drafts_layers_bf16(tmp_path):
-    """--kv-cache-dtype fp8 --draft D at --dcp 8 on sm90 adds the draft's
-    layer indices (after the target's, from the two configs) as vLLM's
-    --kv-cache-dtype-skip-layers; nowhere else."""
+def test_hopper_fp8_keeps_a_flashinfer_drafts_layers_bf16(tmp_path):
+    """--kv-cache-dtype fp8 --draft D --draft-attention-backend FLASHINFER_MLA
+    at --dcp 8 on sm90 asks vLLM's draft loader for a bf16 draft cache
+    ("kv_cache_dtype": "auto" in --speculative-config, which Kimi-K3's draft
+    layers read) and pages by 64 unless --block-size is given; nowhere else.
+    tests/test_recipe_start.py starts what it generates."""
+    from tests.support.recipe_start import serve_args
     from tests.support.tiny_dspark import build_config_only_pair
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     target, draft = build_config_only_pair(tmp_path)
-    base = ["--model", str(target), "--tp", "8", "--dcp", "8", "--draft", str(draft)]
+    base = ["--model", str(target), "--tp", "8", "--dcp", "8", "--draft", str(draft),
+            "--kv-cache-dtype", "fp8"]
     parse = serve.build_parser().parse_args
-    fp8 = parse(base + ["--kv-cache-dtype", "fp8"])
-    assert serve.unquantized_draft_layers(fp8, [], 9) == [2, 3]
-    for args, extra, major in (
-            (fp8, [], 10), (fp8, [], None),  # Blackwell: Tokenspeed reads fp8
-            (parse(base), [], 9),
-            (parse(base + ["--kv-cache-dtype", "fp8", "--dcp", "1"]), [], 9),
-            (fp8, ["--kv-cache-dtype-skip-layers", "3"], 9)):  # the user's own
-        assert serve.unquantized_draft_layers(args, extra, major) == []
-    cmd = serve.server_command(model=str(target), tp=8, dcp=8, draft=str(draft),
-                               kv_cache_dtype="fp8", kv_cache_dtype_skip_layers=[2, 3])
-    flags = cmd[cmd.index("--kv-cache-dtype"):cmd.index("--speculative-config")]
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", *flags]))
-    assert engine_args.kv_cache_dtype_skip_layers == ["2", "3"]
+    flashinfer = parse(base + ["--draft-attention-backend", "FLASHINFER_MLA"])
+
+    def engine_args(args, extra, major):
+        command = serve.launch_command(args, extra, major)
+        return serve_args(command[command.index("-tp"):])  # after --host, --port
+
+    ours = engine_args(flashinfer, [], 9)
+    assert ours.speculative_config["kv_cache_dtype"] == "auto"
+    assert (ours.kv_cache_dtype, ours.block_size) == ("fp8", 64)
+    assert engine_args(flashinfer, ["--block-size", "128"], 9).block_size == 128
+    for args, major in ((flashinfer, 10), (flashinfer, None), (parse(base), 9),
+                        (parse(base[:-2] + ["--draft-attention-backend",
+                                            "FLASHINFER_MLA"]), 9),
+                        (parse(base + ["--dcp", "1"]), 9)):
+        theirs = engine_args(args, [], major)
+        assert "kv_cache_dtype" not in theirs.speculative_config
+        assert theirs.block_size is None
 
 
 @pytest.mark.parametrize("argv,backends", [

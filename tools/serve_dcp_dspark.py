@@ -28,10 +28,10 @@ small machine (thread binding per TP rank, 1 GiB KV cache) and, with
 ``--draft``, ``VLLM_DCP_CPU_MRV2=1`` (DSpark on CPU: Model Runner V2 in
 Triton's interpreter), and serves the target and draft with ``CPU_MLA``
 unless told (vLLM would pick ``AMX_MLA``, which has no DCP, on a CPU with AMX
-tiles). ``--kv-cache-dtype fp8`` with ``--draft`` and ``--dcp``
-> 1 on a Hopper GPU keeps the draft's layers bf16
-(``--kv-cache-dtype-skip-layers``, their indices from the two configs), as
-FLASHINFER_MLA there reads bf16 only.
+tiles). ``--kv-cache-dtype fp8 --draft D --draft-attention-backend
+FLASHINFER_MLA`` at ``--dcp`` > 1 on a Hopper GPU keeps the draft's layers
+bf16 (``"kv_cache_dtype": "auto"`` in ``--speculative-config``, and
+``--block-size 64`` unless given), as FLASHINFER_MLA there reads bf16 only.
 
 From Python, ``with VllmServer(server_command(...)) as server:`` gives the
 same start / wait / stop around a block.
@@ -65,34 +65,17 @@ TOKENSPEED_MAX_QUERY_LEN = 8
 
 
 def dspark_speculative_config(draft: str, num_spec: int | None,
-                              draft_attention_backend: str | None = None) -> dict:
+                              draft_attention_backend: str | None = None,
+                              draft_kv_cache_dtype: str | None = None) -> dict:
     """vLLM's ``--speculative-config`` for a DSpark draft checkpoint."""
     config: dict = {"method": "dspark", "model": draft}
     if num_spec is not None:
         config["num_speculative_tokens"] = num_spec
     if draft_attention_backend:
         config["attention_backend"] = draft_attention_backend
+    if draft_kv_cache_dtype:
+        config["kv_cache_dtype"] = draft_kv_cache_dtype
     return config
-
-
-def _hf_config(path: str) -> dict:
-    """A checkpoint's ``config.json``: a local folder's, or the Hub's."""
-    if _looks_local(path):
-        return json.loads((Path(path).expanduser() / "config.json").read_text())
-    from huggingface_hub import hf_hub_download
-
-    return json.loads(Path(hf_hub_download(path, "config.json")).read_text())
-
-
-def _num_layers(config: dict) -> int:
-    return config.get("text_config", config)["num_hidden_layers"]
-
-
-def draft_layer_indices(model: str, draft: str) -> list[int]:
-    """The DSpark draft's layer indices in vLLM's layer names: vLLM numbers a
-    draft model's layers on from the target's (``start_layer_id``)."""
-    start = _num_layers(_hf_config(model))
-    return list(range(start, start + _num_layers(_hf_config(draft))))
 
 
 def gpu_major() -> int | None:
@@ -108,17 +91,22 @@ def gpu_major() -> int | None:
         return None
 
 
-def unquantized_draft_layers(args: argparse.Namespace, extra: list[str],
-                             major: int | None) -> list[int]:
-    """Layers to keep out of an fp8 KV cache: the DSpark draft's, on Hopper
-    under DCP, where its backend (this project's FLASHINFER_MLA FA3 path)
-    reads bf16 only, while the target's layers keep fp8 (FLASHMLA)."""
-    if (major != 9 or args.cpu or args.draft is None or args.dcp <= 1
-            or not (args.kv_cache_dtype or "").startswith("fp8")
-            or args.draft_attention_backend not in (None, "FLASHINFER_MLA")
-            or _extra_flag(extra, "--kv-cache-dtype-skip-layers") is not None):
-        return []
-    return draft_layer_indices(args.model, args.draft)
+# Hopper's FLASHINFER_MLA reads a bf16 KV cache only; vLLM 0.32's provisional
+# block size (16), which its DSpark loader makes explicit when it rebuilds the
+# draft's cache config, is no multiple of its kernel's (32, 64).
+HOPPER_FLASHINFER_BLOCK_SIZE = 64
+
+
+def hopper_bf16_draft(args: argparse.Namespace, extra: list[str],
+                      major: int | None) -> bool:
+    """Whether the DSpark draft's layers keep a bf16 KV cache under an fp8
+    target: on Hopper at ``--dcp`` > 1 when the draft runs FLASHINFER_MLA
+    (``--draft-attention-backend``), which reads bf16 only there; vLLM's
+    draft loader takes ``"kv_cache_dtype"`` of ``--speculative-config``
+    (Kimi-K3's layers ignore ``--kv-cache-dtype-skip-layers``)."""
+    return (major == 9 and not args.cpu and args.draft is not None
+            and args.dcp > 1 and (args.kv_cache_dtype or "").startswith("fp8")
+            and args.draft_attention_backend == "FLASHINFER_MLA")
 
 
 def server_command(*, model: str, tp: int = 1, dcp: int = 1,
@@ -127,7 +115,7 @@ def server_command(*, model: str, tp: int = 1, dcp: int = 1,
                    attention_backend: str | None = None,
                    draft_attention_backend: str | None = None,
                    kv_cache_dtype: str | None = None,
-                   kv_cache_dtype_skip_layers: list[int] | tuple[int, ...] = (),
+                   draft_kv_cache_dtype: str | None = None,
                    host: str = "127.0.0.1",
                    port: int = 8000, served_model_name: str | None = None,
                    shutdown_timeout: int | None = 30,
@@ -148,15 +136,13 @@ def server_command(*, model: str, tp: int = 1, dcp: int = 1,
         cmd += ["--served-model-name", served_model_name]
     if kv_cache_dtype:
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
-    if kv_cache_dtype_skip_layers:
-        cmd += ["--kv-cache-dtype-skip-layers",
-                *(str(i) for i in kv_cache_dtype_skip_layers)]
     if attention_backend:
         cmd += ["--attention-backend", attention_backend]
     if draft:
-        spec = dspark_speculative_config(draft, num_spec, draft_attention_backend)
+        spec = dspark_speculative_config(draft, num_spec, draft_attention_backend,
+                                         draft_kv_cache_dtype)
         cmd += ["--speculative-config", json.dumps(spec)]
-    elif draft_attention_backend or num_spec is not None:
+    elif draft_attention_backend or num_spec is not None or draft_kv_cache_dtype:
         raise ValueError("--num-spec / --draft-attention-backend need --draft")
     return cmd + list(extra_args)
 
@@ -595,6 +581,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def launch_command(args: argparse.Namespace, extra: list[str],
+                   major: int | None) -> list[str]:
+    """The ``vllm serve`` command the launcher runs for ``args`` (and the
+    extra vLLM flags) on a GPU of compute capability ``major`` (None: none)."""
+    attention_backend, draft_attention_backend = cpu_attention_backends(args)
+    bf16_draft = hopper_bf16_draft(args, extra, major)
+    if bf16_draft and _extra_flag(extra, "--block-size") is None:
+        extra = ["--block-size", str(HOPPER_FLASHINFER_BLOCK_SIZE), *extra]
+    return server_command(
+        model=args.model, tp=args.tp, dcp=args.dcp, interleave=args.interleave,
+        draft=args.draft, num_spec=args.num_spec,
+        attention_backend=attention_backend,
+        draft_attention_backend=draft_attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
+        draft_kv_cache_dtype="auto" if bf16_draft else None,
+        host=args.host, port=args.port,
+        served_model_name=args.served_model_name,
+        shutdown_timeout=args.shutdown_timeout, extra_args=extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -607,18 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         parser.error("\n  - " + "\n  - ".join(problems))
 
-    attention_backend, draft_attention_backend = cpu_attention_backends(args)
-    command = server_command(
-        model=args.model, tp=args.tp, dcp=args.dcp, interleave=args.interleave,
-        draft=args.draft, num_spec=args.num_spec,
-        attention_backend=attention_backend,
-        draft_attention_backend=draft_attention_backend,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_dtype_skip_layers=unquantized_draft_layers(args, extra,
-                                                            gpu_major()),
-        host=args.host, port=args.port,
-        served_model_name=args.served_model_name,
-        shutdown_timeout=args.shutdown_timeout, extra_args=extra)
+    command = launch_command(args, extra, gpu_major())
     env = cpu_server_env(args.tp, dspark=bool(args.draft)) if args.cpu else {}
     print("+ " + " ".join(command), flush=True)
     server = VllmServer(command, host=args.host, port=args.port, env=env,

@@ -24,7 +24,9 @@ with vLLM's own code:
 
 What stands in for a GPU: the process groups (a rank of ``-tp`` / ``-dcp``
 that talks to nobody), CUDA streams and events (none), the DCP
-communication manager (no collectives) and the MLA *prefill* backend (a
+communication manager (no collectives), sm100's fused GEMM-RS/AR (off: NCCL
+symmetric memory), Tokenspeed's prefill JIT warm-up and the MLA *prefill*
+backend (a
 stand-in: FlashAttention's prefill kernels are absent from CPU builds; the
 decode backends are the subject). Any error vLLM or the plugin raises on the
 way is raised as is: a recipe that this does not start would fail on a GPU
@@ -219,6 +221,13 @@ def _worker_rank(cuda_platform, tp: int, dcp: int):
             enter(mock.patch.object(torch.cuda, "Event", lambda *a, **k: None))
             enter(mock.patch("vllm.models.kimi_k3.nvidia.mla.MLADCPManager",
                              lambda **kwargs: _fake_dcp_manager()))
+            # sm100's fused GEMM + reduce-scatter/all-reduce: NCCL symmetric
+            # memory over the TP group (off, as where it cannot run).
+            enter(mock.patch("vllm.models.kimi_k3.nvidia.model.maybe_init_gemm_rs_ar",
+                             lambda *args, **kwargs: False))
+            # Tokenspeed's impl JIT-compiles its prefill kernel when made.
+            enter(mock.patch("tokenspeed_mla.warmup_compile_prefill",
+                             lambda **kwargs: None))
             enter(mock.patch.object(
                 cuda_platform, "get_mla_prefill_backend_cls",
                 classmethod(lambda cls, selector_config: _PrefillStandIn)))

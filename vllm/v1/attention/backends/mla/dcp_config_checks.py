@@ -67,6 +67,17 @@ def _interleave_divides_block(s: DCPSetting) -> bool:
     return s.dcp_size == 1 or s.block_size % s.interleave == 0
 
 
+def _kernel_block_problems(backend: str, s: DCPSetting) -> list[str]:
+    """The block size against the backend's kernel block sizes (vLLM's
+    ``supports_block_size``: a multiple of one of them)."""
+    sizes = KERNEL_BLOCK_SIZES[backend]
+    if s.dcp_size > 1 and all(s.block_size % size for size in sizes):
+        return [f"{backend} pages the KV cache by {' or '.join(map(str, sizes))} "
+                f"tokens, not {s.block_size}: pass --block-size "
+                f"{max(sizes)}."]
+    return []
+
+
 def _layout_problems(s: DCPSetting) -> list[str]:
     problems = _dcp_divides_tp(s)
     if not _interleave_divides_block(s):
@@ -101,7 +112,7 @@ def cpu_problems(s: DCPSetting) -> list[str]:
 
 def flashinfer_problems(s: DCPSetting) -> list[str]:
     """Why FLASHINFER_MLA with DCP/DSpark cannot run this setting (none: [])."""
-    problems = _layout_problems(s)
+    problems = _layout_problems(s) + _kernel_block_problems(FLASHINFER_MLA, s)
     if s.gpu_major not in (9, 10):
         problems.append(
             f"FLASHINFER_MLA runs on sm90 (Hopper) and sm100 (Blackwell) GPUs, "
@@ -128,7 +139,7 @@ def flashinfer_problems(s: DCPSetting) -> list[str]:
 
 def tokenspeed_problems(s: DCPSetting) -> list[str]:
     """Why TOKENSPEED_MLA with DCP/DSpark cannot run this setting (none: [])."""
-    problems = _layout_problems(s)
+    problems = _layout_problems(s) + _kernel_block_problems(TOKENSPEED_MLA, s)
     if s.gpu_major != 10:
         problems.append(
             f"TOKENSPEED_MLA runs on sm100 (Blackwell) GPUs only, not compute "

@@ -116,17 +116,23 @@ def _no_dcp_on_cpu(choice: _BackendChoice) -> str:
             f"context parallelism: {fix}.")
 
 
-def _block_size_for(vllm_config, backend_name: str) -> int:
-    """The KV block size vLLM will page with under ``backend_name``.
+def _block_size_for(vllm_config, choice: _BackendChoice) -> int:
+    """The KV block size ``choice``'s layers are selected and paged with.
 
     The CPU platform has already forced MLA's 16 by now; elsewhere the rule
-    of the backends' selection check, given what vLLM's selector passes.
+    of the backends' selection check, given what vLLM's selector passes: the
+    block size if explicit, which it is for a draft whose loader rebuilds the
+    cache config (``kv_cache_dtype`` in ``--speculative-config``: vLLM's
+    ``replace`` passes the provisional size as if given).
     """
     cache = vllm_config.cache_config
-    if backend_name == checks.CPU_MLA:
+    if choice.name == checks.CPU_MLA:
         return cache.block_size
-    return checks.backend_block_size(
-        backend_name, cache.block_size if cache.user_specified_block_size else None)
+    spec = vllm_config.speculative_config
+    explicit = cache.user_specified_block_size or (
+        choice.draft and getattr(spec, "kv_cache_dtype", None) is not None)
+    return checks.backend_block_size(choice.name,
+                                     cache.block_size if explicit else None)
 
 
 def _check_cpu_switches(vllm_config) -> None:
@@ -173,7 +179,7 @@ def check_vllm_config(vllm_config) -> None:
             raise ValueError(_no_dcp_on_cpu(choice))
         setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major,
                                                      draft=choice.draft)
-        block_size = _block_size_for(vllm_config, choice.name)
+        block_size = _block_size_for(vllm_config, choice)
         checks.raise_if_unsupported(
             choice.name, dataclasses.replace(setting, block_size=block_size),
             chosen_by=choice.chosen_by)
