@@ -146,7 +146,7 @@ class LayerStart:
     draft: bool  # the DSpark draft's (built by load_dspark_model)
     backend: str  # the backend it selected
     kv_cache_dtype: str  # its own (the layer's ``kv_cache_dtype``)
-    builder: str  # its group's metadata builder class
+    builder: type  # its group's metadata builder class
 
 
 @dataclass(frozen=True)
@@ -261,8 +261,9 @@ def build_config(flags: dict, target: Path):
     return config
 
 
-def start_config(config, major: int) -> RecipeStart:
-    """Steps 2 and 3 on ``config`` (see the module docstring)."""
+def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
+    """Steps 2 and 3 on ``config`` (see the module docstring), with the
+    plugin's backend overrides (``plugin``) or vLLM's own backends."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -276,7 +277,7 @@ def start_config(config, major: int) -> RecipeStart:
     def get_model(*, vllm_config, model_config=None, **kwargs):
         return initialize_model(vllm_config, model_config=model_config)
 
-    with plugin_registered(True), as_cuda_gpu(major) as cuda_platform, \
+    with plugin_registered(plugin), as_cuda_gpu(major) as cuda_platform, \
             _worker_rank(cuda_platform, parallel.tensor_parallel_size,
                          parallel.decode_context_parallel_size), \
             set_default_torch_dtype(config.model_config.dtype), \
@@ -296,7 +297,7 @@ def start_config(config, major: int) -> RecipeStart:
             attn_groups, _, kernel_block_sizes = init_attn_backend(
                 kv_cache_config, config, torch.device("cpu"))
     context = config.compilation_config.static_forward_context
-    builders = {name: type(group.metadata_builders[0]).__name__
+    builders = {name: type(group.metadata_builders[0])
                 for groups_ in attn_groups for group in groups_
                 for name in group.layer_names}
     layers = {name: LayerStart(draft=index >= num_target_layers,
@@ -309,14 +310,21 @@ def start_config(config, major: int) -> RecipeStart:
                        layers=layers, vllm_config=config)
 
 
-def start_recipe(argv, major: int, root: Path, *, dcp: int | None = None,
-                 k3_layer_indices: bool = True) -> RecipeStart:
-    """Start ``vllm serve`` ``argv`` (the flags after the model) on an
-    sm``major``0 GPU, at ``-dcp dcp`` if given: steps 1 to 3. Raises what
-    vLLM or the plugin raises."""
+def recipe_config(argv, root: Path, *, dcp: int | None = None,
+                  k3_layer_indices: bool = True):
+    """Step 1 up to the start-up checks: the ``VllmConfig`` of ``vllm serve``
+    ``argv`` (the flags after the model) for the tiny pair under ``root``."""
     target, draft = write_tiny_k3_pair(root)
     flags = engine_flags(serve_args(argv), target, draft, dcp=dcp,
                          k3_layer_indices=k3_layer_indices)
-    config = build_config(flags, target)
+    return build_config(flags, target)
+
+
+def start_recipe(argv, major: int, root: Path, *, dcp: int | None = None,
+                 k3_layer_indices: bool = True, plugin: bool = True) -> RecipeStart:
+    """Start ``vllm serve`` ``argv`` (the flags after the model) on an
+    sm``major``0 GPU, at ``-dcp dcp`` if given: steps 1 to 3. Raises what
+    vLLM or the plugin raises."""
+    config = recipe_config(argv, root, dcp=dcp, k3_layer_indices=k3_layer_indices)
     check_as_gpu(config, major)
-    return start_config(config, major)
+    return start_config(config, major, plugin=plugin)

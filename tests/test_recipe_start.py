@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every recipe starts as vLLM starts it (``tests/support/recipe_start.py``).
+
+For every ``vllm serve`` command of the README's "Production recipe" and
+every command the launcher (``tools/serve_dcp_dspark.py``) generates for
+sm90 bf16, sm90 fp8 and sm100 fp8, at ``-dcp 8`` and ``-dcp 1``, the draft's
+backend named and not, interleave 1 and 16: vLLM's config from the exact
+flags, the plugin's start-up checks, vLLM's model classes for a tiny Kimi-K3
+target and its K3 DSpark draft (each layer selecting its backend with its own
+KV dtype, the selector answering as sm90 / sm100), vLLM's KV-cache grouping
+and every group's metadata builder. At ``-dcp 8`` each layer runs the backend
+and KV dtype expected (the README states them beside each recipe), and the
+plugin's settings read the KV dtype each layer was built with; at ``-dcp 1``
+everything is vLLM's own (the same start without the plugin). A config the
+start-up checks accept starts; one they refuse, naming a flag, would fail at
+model load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.support import recipe_start as rs
+from tools import serve_dcp_dspark as serve
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE_SECTION = "## Production recipe"
+DTYPE_WORDS = {"bf16": ("auto", "bfloat16"), "fp8": ("fp8", "fp8_e4m3")}
+
+
+# ---------------------------------------------------------------------------
+# Expected layers
+
+def assert_layers(start: rs.RecipeStart, target: tuple[str, str],
+                  draft: tuple[str, str]) -> None:
+    """Every target layer runs ``target`` (backend, bf16 | fp8), every draft
+    layer ``draft``; the plugin's settings read the dtypes the layers hold."""
+    for role, (backend, word) in ((False, target), (True, draft)):
+        got_backend, got_dtype = start.role(role)
+        assert (got_backend, got_dtype in DTYPE_WORDS[word]) == (backend, True), (
+            f"{'draft' if role else 'target'}: {got_backend} {got_dtype}, "
+            f"expected {backend} {word}")
+    assert_settings_read_the_layers(start)
+
+
+def assert_settings_read_the_layers(start: rs.RecipeStart) -> None:
+    """``DCPSetting`` (start-up checks, selection checks, builders) holds the
+    KV dtype vLLM's layer classes were built with, per model."""
+    from vllm.v1.attention.backends.mla.dcp_settings import model_kv_cache_dtype
+
+    for draft in (False, True):
+        _, layer_dtype = start.role(draft)
+        assert model_kv_cache_dtype(start.vllm_config, draft) == layer_dtype, draft
+
+
+def assert_upstream_at_dcp1(argv, major: int, root: Path, **kwargs) -> None:
+    """At ``-dcp 1`` the recipe starts, or is refused, as without the plugin:
+    per layer the same backend and KV dtype, and a builder that is vLLM's or
+    a subclass of it (the plugin's overrides run vLLM's code at DCP 1); the
+    same block sizes."""
+    outcomes = []
+    for plugin in (True, False):
+        try:
+            outcomes.append(rs.start_recipe(argv, major, root / f"plugin-{plugin}",
+                                            dcp=1, plugin=plugin, **kwargs))
+        except ValueError as error:
+            outcomes.append(str(error))
+    ours, theirs = outcomes
+    if isinstance(theirs, str):
+        assert ours == theirs
+        return
+    assert not isinstance(ours, str), ours
+    assert (ours.block_size, ours.kernel_block_sizes) == (
+        theirs.block_size, theirs.kernel_block_sizes)
+    assert ours.layers.keys() == theirs.layers.keys()
+    for name, layer in ours.layers.items():
+        upstream = theirs.layers[name]
+        assert (layer.draft, layer.backend, layer.kv_cache_dtype) == (
+            upstream.draft, upstream.backend, upstream.kv_cache_dtype), name
+        assert issubclass(layer.builder, upstream.builder), name
+
+
+# ---------------------------------------------------------------------------
+# The README's recipes
+
+RECIPE_COMMENT = re.compile(
+    r"^# sm(?P<sm>\d+)0\b.*: target (?P<target>\w+) (?P<target_dtype>bf16|fp8), "
+    r"draft (?P<draft>\w+) (?P<draft_dtype>bf16|fp8)$")
+
+
+def readme_recipes() -> list[dict]:
+    """Every ``vllm serve`` command of the README's recipe section, with the
+    comment line above it: ``# smNN0 ...: target B dtype, draft B dtype``."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(RECIPE_SECTION):]
+    section = section[:section.index("\n## ", len(RECIPE_SECTION))]
+    recipes = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        lines = block.replace("\\\n", " ").splitlines()
+        for i, line in enumerate(lines):
+            if not line.startswith("vllm serve "):
+                continue
+            match = RECIPE_COMMENT.match(lines[i - 1] if i else "")
+            assert match, f"no '# smNN0 ...: target B dtype, draft B dtype' above {line}"
+            recipes.append(dict(
+                major=int(match["sm"]), argv=shlex.split(line)[3:],
+                target=(match["target"], match["target_dtype"]),
+                draft=(match["draft"], match["draft_dtype"]),
+                id=f"sm{match['sm']}0-{match['target']}-{match['target_dtype']}"
+                   f"-{match['draft']}-{match['draft_dtype']}"))
+    return recipes
+
+
+README_RECIPES = readme_recipes()
+
+
+def test_readme_recipes_cover_each_generation_and_kv_dtype():
+    kinds = {(r["major"], r["target"][1]) for r in README_RECIPES}
+    assert {(9, "bf16"), (9, "fp8"), (10, "fp8")} <= kinds
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(RECIPE_SECTION):]
+    section = section[:section.index("\n## ", len(RECIPE_SECTION))]
+    assert section.count("vllm serve ") == len(README_RECIPES)
+
+
+@pytest.mark.parametrize("recipe", README_RECIPES, ids=[r["id"] for r in README_RECIPES])
+def test_readme_recipe_starts(tmp_path, recipe):
+    args = rs.serve_args(recipe["argv"])
+    assert (args.tensor_parallel_size, args.decode_context_parallel_size) == (8, 8)
+    assert args.speculative_config["method"] == "dspark"
+    start = rs.start_recipe(recipe["argv"], recipe["major"], tmp_path)
+    assert_layers(start, recipe["target"], recipe["draft"])
+    assert_upstream_at_dcp1(recipe["argv"], recipe["major"], tmp_path)
+
+
+# ---------------------------------------------------------------------------
+# The launcher's recipes
+
+# (GPU major, --kv-cache-dtype, --draft-attention-backend when named)
+GENERATIONS = [(9, None, "FLASHINFER_MLA"), (9, "fp8", "FLASHINFER_MLA"),
+               (10, "fp8", "TOKENSPEED_MLA")]
+
+
+def launcher_expected(major, kv, interleave, draft_backend):
+    """(target, draft) layers at -dcp 8 of what the launcher generates."""
+    if major == 10:
+        return ("FLASHINFER_MLA", "fp8"), (draft_backend or "FLASHINFER_MLA", "fp8")
+    target = "FLASH_ATTN_MLA" if interleave == 1 and kv is None else "FLASHMLA"
+    word = "fp8" if kv else "bf16"
+    if draft_backend == "FLASHINFER_MLA":
+        return (target, word), ("FLASHINFER_MLA", "bf16")
+    return (target, word), ("FLASHMLA", word)
+
+
+def launcher_argv(major, kv, interleave, draft_backend, target: Path, draft: Path,
+                  dcp: int = 8) -> list[str]:
+    """The flags after the model of the launcher's ``vllm serve`` command."""
+    argv = ["--model", str(target), "--tp", "8", "--dcp", str(dcp),
+            "--draft", str(draft), "--num-spec", "4", "--interleave", str(interleave)]
+    if kv:
+        argv += ["--kv-cache-dtype", kv]
+    if draft_backend:
+        argv += ["--draft-attention-backend", draft_backend]
+    command = serve.launch_command(serve.build_parser().parse_args(argv), [], major)
+    return command[command.index("-tp"):]  # after --host and --port
+
+
+LAUNCHER_CASES = [(major, kv, interleave, backend)
+                  for major, kv, named in GENERATIONS
+                  for interleave in (1, 16) for backend in (None, named)]
+
+
+@pytest.mark.parametrize(
+    "major,kv,interleave,draft_backend", LAUNCHER_CASES,
+    ids=[f"sm{m}0-{kv or 'bf16'}-i{i}-{b or 'vllm'}" for m, kv, i, b in LAUNCHER_CASES])
+def test_launcher_recipe_starts(tmp_path, major, kv, interleave, draft_backend):
+    target, draft = rs.write_tiny_k3_pair(tmp_path / "models")
+    argv = launcher_argv(major, kv, interleave, draft_backend, target, draft)
+    start = rs.start_recipe(argv, major, tmp_path, k3_layer_indices=False)
+    assert_layers(start, *launcher_expected(major, kv, interleave, draft_backend))
+    assert_upstream_at_dcp1(launcher_argv(major, kv, interleave, draft_backend,
+                                          target, draft, dcp=1),
+                            major, tmp_path, k3_layer_indices=False)
+
+
+# ---------------------------------------------------------------------------
+# Start-up checks against model load
+
+def _spec(**fields) -> str:
+    return json.dumps({"method": "dspark", "model": "draft",
+                       "num_speculative_tokens": 4, **fields})
+
+
+# (id, GPU major, flags, None if it starts, else the flag the refusal names)
+AGREEMENT_CASES = [
+    # The target's FLASHMLA (vLLM's Hopper choice for fp8) under DSpark x DCP.
+    ("sm90-fp8", 9, f"-tp 8 -dcp 8 --kv-cache-dtype fp8 --speculative-config '{_spec()}'",
+     None),
+    # Kimi-K3's draft layers ignore the skip list: they are fp8, which
+    # FLASHINFER_MLA does not read on sm90.
+    ("sm90-fp8-skip-list", 9,
+     "-tp 8 -dcp 8 --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 61 "
+     f"--speculative-config '{_spec(attention_backend='FLASHINFER_MLA')}'",
+     '"kv_cache_dtype": "auto"'),
+    # vLLM's per-draft KV dtype.
+    ("sm90-fp8-draft-bf16", 9,
+     "-tp 8 -dcp 8 --kv-cache-dtype fp8 --block-size 64 --speculative-config "
+     f"'{_spec(attention_backend='FLASHINFER_MLA', kv_cache_dtype='auto')}'", None),
+    # Interleave 16 with vLLM's choice for the target.
+    ("sm90-bf16-i16", 9, "-tp 8 -dcp 8 --cp-kv-cache-interleave-size 16 "
+     f"--speculative-config '{_spec()}'", None),
+    ("sm90-bf16-i16-flash-attn-named", 9,
+     "-tp 8 -dcp 8 --cp-kv-cache-interleave-size 16 --attention-backend "
+     f"FLASH_ATTN_MLA --speculative-config '{_spec()}'",
+     "--cp-kv-cache-interleave-size"),
+    ("sm90-fp8-flash-attn-named", 9,
+     "-tp 8 -dcp 8 --kv-cache-dtype fp8 --attention-backend FLASH_ATTN_MLA "
+     f"--speculative-config '{_spec()}'", "--kv-cache-dtype"),
+    ("sm100-tokenspeed-block-16", 10,
+     "-tp 8 -dcp 8 --kv-cache-dtype fp8 --block-size 16 "
+     f"--speculative-config '{_spec(attention_backend='TOKENSPEED_MLA')}'",
+     "--block-size"),
+]
+
+
+@pytest.mark.parametrize("case", AGREEMENT_CASES, ids=[c[0] for c in AGREEMENT_CASES])
+def test_start_up_checks_agree_with_model_load(tmp_path, case):
+    """Accepted at start-up: it starts. Refused: the error names the flag,
+    and the workers would have refused it at model load."""
+    from tests.support.cuda_selection import check_as_gpu
+
+    _, major, flags, refused_by = case
+    config = rs.recipe_config(shlex.split(flags), tmp_path)
+    if refused_by is None:
+        check_as_gpu(config, major)
+        start = rs.start_config(config, major)
+        assert_settings_read_the_layers(start)
+        return
+    with pytest.raises(ValueError) as refusal:
+        check_as_gpu(config, major)
+    assert refused_by in str(refusal.value)
+    with pytest.raises(ValueError):
+        rs.start_config(config, major)
