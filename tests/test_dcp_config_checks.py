@@ -73,7 +73,8 @@ def test_setting_read_from_vllm_config(tmp_path):
     assert setting == checks.DCPSetting(
         gpu_major=9, tensor_parallel_size=2, dcp_size=2, interleave=16, block_size=64,
         kv_cache_dtype="auto", num_speculative_tokens=7, max_decode_query_len=8,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        speculative_method="ngram")
 
 
 def test_builder_raises_at_start_up(tmp_path):

@@ -67,9 +67,10 @@ def _interleave_divides_block(s: DCPSetting) -> bool:
     return s.dcp_size == 1 or s.block_size % s.interleave == 0
 
 
-def _kernel_block_problems(backend: str, s: DCPSetting) -> list[str]:
-    """The block size against the backend's kernel block sizes (vLLM's
-    ``supports_block_size``: a multiple of one of them)."""
+def kernel_block_problems(backend: str, s: DCPSetting) -> list[str]:
+    """The block size a layer is selected at against the backend's kernel
+    block sizes (vLLM's ``supports_block_size``: a multiple of one of them).
+    A start-up check: a builder's group has a block size its backend took."""
     sizes = KERNEL_BLOCK_SIZES[backend]
     if s.dcp_size > 1 and all(s.block_size % size for size in sizes):
         return [f"{backend} pages the KV cache by {' or '.join(map(str, sizes))} "
@@ -112,7 +113,7 @@ def cpu_problems(s: DCPSetting) -> list[str]:
 
 def flashinfer_problems(s: DCPSetting) -> list[str]:
     """Why FLASHINFER_MLA with DCP/DSpark cannot run this setting (none: [])."""
-    problems = _layout_problems(s) + _kernel_block_problems(FLASHINFER_MLA, s)
+    problems = _layout_problems(s)
     if s.gpu_major not in (9, 10):
         problems.append(
             f"FLASHINFER_MLA runs on sm90 (Hopper) and sm100 (Blackwell) GPUs, "
@@ -139,7 +140,7 @@ def flashinfer_problems(s: DCPSetting) -> list[str]:
 
 def tokenspeed_problems(s: DCPSetting) -> list[str]:
     """Why TOKENSPEED_MLA with DCP/DSpark cannot run this setting (none: [])."""
-    problems = _layout_problems(s) + _kernel_block_problems(TOKENSPEED_MLA, s)
+    problems = _layout_problems(s)
     if s.gpu_major != 10:
         problems.append(
             f"TOKENSPEED_MLA runs on sm100 (Blackwell) GPUs only, not compute "
@@ -215,12 +216,17 @@ NAMED_CUDA_BACKENDS = (FLASHINFER_MLA, TOKENSPEED_MLA, FLASH_ATTN_MLA)
 
 
 def raise_if_unsupported(backend: str, setting: DCPSetting,
-                         chosen_by: str | None = None) -> None:
+                         chosen_by: str | None = None, *,
+                         kernel_blocks: bool = False) -> None:
     """Raise one ``ValueError`` listing every problem of ``setting``.
 
-    ``chosen_by``: what picked ``backend`` (a flag), named in the message.
+    ``chosen_by``: what picked ``backend`` (a flag), named in the message;
+    ``kernel_blocks``: also judge the block size against the kernel's
+    (``kernel_block_problems``).
     """
     problems = PROBLEMS[backend](setting)
+    if kernel_blocks and backend in KERNEL_BLOCK_SIZES:
+        problems += kernel_block_problems(backend, setting)
     if problems:
         chosen = f" (chosen by {chosen_by})" if chosen_by else ""
         raise ValueError(

@@ -182,7 +182,7 @@ def check_vllm_config(vllm_config) -> None:
         block_size = _block_size_for(vllm_config, choice)
         checks.raise_if_unsupported(
             choice.name, dataclasses.replace(setting, block_size=block_size),
-            chosen_by=choice.chosen_by)
+            chosen_by=choice.chosen_by, kernel_blocks=True)
     if not choices and vllm_config.cache_config.user_specified_block_size:
         checks.raise_if_layout_unsupported(
             checks.DCPSetting.from_vllm_config(vllm_config, gpu_major))
