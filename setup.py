@@ -3,9 +3,10 @@
 
 Everything else is configured in pyproject.toml. A ``.pth`` file is the only
 way to run code in every Python process (vLLM spawns its engine core and
-workers) before vLLM imports Triton; the one shipped here does nothing unless
-``VLLM_DCP_CPU_MRV2`` is on, and then only hooks the process's first
-``import vllm`` (see vllm/v1/worker/cpu/triton_interpreter_boot.py).
+workers) before vLLM imports Triton; the one shipped here imports nothing: it
+hooks the process's first ``import vllm``, which boots the CPU MRV2 route if
+``VLLM_DCP_CPU_MRV2`` is on by then (see
+vllm/v1/worker/cpu/triton_interpreter_boot.py).
 """
 
 import os

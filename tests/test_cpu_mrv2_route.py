@@ -157,6 +157,45 @@ def test_switch_on_leaves_other_processes_alone():
     assert facts == {"at_start": [], "interpret_at_start": None}
 
 
+IN_SCRIPT_PROBE = """
+import json, os, sys
+if sys.argv[1] == "before":
+    os.environ["VLLM_DCP_CPU_MRV2"] = "1"
+import vllm
+os.environ["VLLM_DCP_CPU_MRV2"] = "1"
+from triton.backends import backends
+facts = {"interpret": os.environ.get("TRITON_INTERPRET"), "cpu_backend": "cpu" in backends}
+try:
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    facts["plugins"] = "loaded"
+except Exception as error:
+    facts["plugins"] = f"{type(error).__name__}: {error}"
+print(json.dumps(facts))
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_switch_set_in_the_script(when):
+    """Set in ``os.environ`` before the script's first ``import vllm``: the
+    route boots and the plugins load. Set after it: loading the plugins says
+    it must be set before that import, and nothing else."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (SWITCH, "TRITON_INTERPRET", "_VLLM_DCP_CPU_MRV2_WARNED",
+                        "CUDA_VISIBLE_DEVICES")}
+    proc = subprocess.run([sys.executable, "-c", IN_SCRIPT_PROBE, when], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=TESTS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    if when == "before":
+        assert facts == {"interpret": "1", "cpu_backend": True, "plugins": "loaded"}
+        return
+    assert facts["interpret"] is None and not facts["cpu_backend"], facts
+    assert facts["plugins"].startswith("RuntimeError: "), facts
+    assert "before" in facts["plugins"] and "import vllm" in facts["plugins"]
+    assert "reinstall" not in facts["plugins"], facts
+
+
 def test_switch_on_with_a_gpu_does_nothing_and_says_so(tmp_path):
     """With an NVIDIA GPU (here: nvidia-smi on PATH) the route stays off, and
     one line on stderr names the switch."""

