@@ -36,6 +36,7 @@ at that step.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import shlex
 from dataclasses import dataclass
@@ -231,12 +232,39 @@ def _worker_rank(cuda_platform, tp: int, dcp: int):
             enter(mock.patch.object(
                 cuda_platform, "get_mla_prefill_backend_cls",
                 classmethod(lambda cls, selector_config: _PrefillStandIn)))
-            # The draft's config is rebuilt (dataclass replace) on a config
-            # whose model runner was chosen on the CPU platform.
+            # The draft's config is rebuilt (vLLM's ``replace``), running the
+            # platform's config hook, the plugin's start-up checks in it, as
+            # on a GPU (the plugin installs them on the platform it loads on)
+            # ...
+            enter(_startup_checks_on(cuda_platform))
+            config_module = importlib.import_module("vllm.config.vllm")
+            if hasattr(config_module, "current_platform"):  # 0.34 binds it
+                enter(mock.patch.object(config_module, "current_platform",
+                                        importlib.import_module(
+                                            "vllm.platforms").current_platform))
+            # ... on a config whose model runner was chosen on the CPU platform.
             enter(mock.patch.object(VllmConfig, runner_check))
             yield
     finally:
         prefill._auto_select_mla_prefill_backend.cache_clear()
+
+
+@contextlib.contextmanager
+def _startup_checks_on(platform_cls):
+    """The plugin's start-up checks in ``platform_cls``'s config hook, as the
+    plugin installs them on a GPU's platform; removed on the way out."""
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
+
+    saved = platform_cls.__dict__.get("check_and_update_config")
+    with mock.patch("vllm.platforms.current_platform", platform_cls()):
+        dcp_startup_checks.install()
+    try:
+        yield
+    finally:
+        if saved is None:
+            del platform_cls.check_and_update_config
+        else:
+            platform_cls.check_and_update_config = saved
 
 
 def _get_kv_cache_groups():

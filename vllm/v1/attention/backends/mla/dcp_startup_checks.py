@@ -68,6 +68,14 @@ def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
                 _cpu_mla_backend(vllm_config, draft),
                 flag if draft is not None else _CPU_VLLM, draft=True))
         return chosen
+    if getattr(vllm_config.attention_config, "use_non_causal", False):
+        # A non-causal drafter's own config, which vLLM's DSpark loader
+        # rebuilds in each worker (this hook runs on it again): its attention
+        # backend is the draft's attention_backend.
+        backend = vllm_config.attention_config.backend
+        if backend is not None and backend.name in checks.NAMED_CUDA_BACKENDS:
+            return [_BackendChoice(backend.name, _CPU_DRAFT_FLAG, True)]
+        return []
     chosen = []
     for backend, flag, draft in (
             (vllm_config.attention_config.backend, "--attention-backend", False),
