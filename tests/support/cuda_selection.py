@@ -23,7 +23,8 @@ import torch
 
 from tests.support.kernel_stubs import cuda_properties_for_import
 
-OVERRIDDEN = ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CPU_MLA", "TRITON_MLA")
+OVERRIDDEN = ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CPU_MLA", "TRITON_MLA",
+              "FLASHMLA")
 
 
 def _cuda_platform_cls():

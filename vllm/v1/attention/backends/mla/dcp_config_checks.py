@@ -17,6 +17,7 @@ FLASHINFER_MLA = "FLASHINFER_MLA"
 TOKENSPEED_MLA = "TOKENSPEED_MLA"
 CPU_MLA = "CPU_MLA"
 TRITON_MLA = "TRITON_MLA"
+FLASHMLA = "FLASHMLA"
 
 # MLA latent layout every kernel here is built for (DeepSeek-V3 / Kimi-K3).
 KV_LORA_RANK = 512
@@ -29,7 +30,8 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 # read off here so that the config-time check need not import the kernels
 # (flashinfer's import queries the GPU, which must not happen in vLLM's
 # front-end process).
-KERNEL_BLOCK_SIZES = {FLASHINFER_MLA: (32, 64), TOKENSPEED_MLA: (32, 64)}
+KERNEL_BLOCK_SIZES = {FLASHINFER_MLA: (32, 64), TOKENSPEED_MLA: (32, 64),
+                      FLASHMLA: (64,)}
 
 
 def default_block_size(backend: str) -> int:
@@ -152,6 +154,25 @@ def tokenspeed_problems(s: DCPSetting) -> list[str]:
     return problems
 
 
+def flashmla_problems(s: DCPSetting) -> list[str]:
+    """Why FLASHMLA with DCP/DSpark cannot run this setting (none: []).
+
+    vLLM's FlashMLA dense decode: Hopper, a 512 + 64 latent, pages of 64, bf16
+    or fp8 KV (vLLM's own checks); here the DCP layout and the GPU."""
+    problems = _layout_problems(s)
+    if s.gpu_major != 9:
+        problems.append(
+            f"FLASHMLA's dense decode runs on sm90 (Hopper) GPUs only, not "
+            f"compute capability {s.gpu_major}.x: choose another backend with "
+            "--attention-backend.")
+    if (s.kv_lora_rank, s.qk_rope_head_dim) != (KV_LORA_RANK, QK_ROPE_HEAD_DIM):
+        problems.append(
+            f"FLASHMLA needs a {KV_LORA_RANK} + {QK_ROPE_HEAD_DIM} latent cache, "
+            f"the model has {s.kv_lora_rank} + {s.qk_rope_head_dim}: choose "
+            "another backend with --attention-backend.")
+    return problems
+
+
 def triton_problems(s: DCPSetting) -> list[str]:
     """Why TRITON_MLA with DCP/DSpark cannot run this setting (none: []).
 
@@ -162,7 +183,8 @@ def triton_problems(s: DCPSetting) -> list[str]:
 
 
 PROBLEMS = {FLASHINFER_MLA: flashinfer_problems, TOKENSPEED_MLA: tokenspeed_problems,
-            CPU_MLA: cpu_problems, TRITON_MLA: triton_problems}
+            CPU_MLA: cpu_problems, TRITON_MLA: triton_problems,
+            FLASHMLA: flashmla_problems}
 
 
 def raise_if_unsupported(backend: str, setting: DCPSetting,

@@ -19,7 +19,7 @@ Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
     this patch gives DCP, or ``AMX_MLA`` on CPUs with AMX tiles unless
     ``--attention-backend CPU_MLA`` is given), for the target's layers and
     a DSpark draft's (``attention_backend`` in ``--speculative-config``).
-  * CUDA: ``FLASHINFER_MLA`` / ``TOKENSPEED_MLA`` when named by
+  * CUDA: ``FLASHINFER_MLA`` / ``TOKENSPEED_MLA`` / ``FLASHMLA`` when named by
     ``--attention-backend`` or the draft's ``attention_backend`` in
     ``--speculative-config``, with the block size vLLM will pick for them
     (read off a table: importing their kernels here would touch the GPU).
@@ -74,7 +74,8 @@ def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
             (spec.attention_backend if spec is not None else None,
              "attention_backend in --speculative-config", True)):
         if backend in (AttentionBackendEnum.FLASHINFER_MLA,
-                       AttentionBackendEnum.TOKENSPEED_MLA):
+                       AttentionBackendEnum.TOKENSPEED_MLA,
+                       AttentionBackendEnum.FLASHMLA):
             chosen.append(_BackendChoice(backend.name, flag, draft))
     return chosen
 
