@@ -12,11 +12,12 @@ length 8 x local), so the verify tails are the deployed ones.
   (``FlashMLARowPlanner``): FlashMLA over each request's shared prefix, the
   verify tails, the empty-row mask; bf16 or fp8 cache;
 - ``alone``: vLLM's FlashMLA as upstream's FLASHMLA calls it without DCP
-  (``causal=True`` over the same ``local`` keys): the cost of DCP is dcp /
-  alone;
+  over the same ``local`` keys (``causal=True`` for verify, ``False`` for the
+  draft block): the cost of DCP is dcp / alone;
 - ``fa3`` (bf16): FLASHINFER_MLA's sm90 path (FA3 prefix + tails);
 - ``fi-fp8``: FlashInfer's FA3 MLA wrapper with an fp8 e4m3 cache (bf16 q),
-  one non-causal segment per request, where this FlashInfer takes it.
+  one non-causal segment per request, where this FlashInfer takes it (its
+  error against float32 attention is printed first: ``fi-fp8 check``).
 Each against the bf16 roofline max(B x L x 576 x 2 B / 4.25 TB/s,
 2 x B x q_len x H x L x (576 + 512) / 790 TFLOP/s).
 
@@ -147,13 +148,14 @@ class Point:
                 q=q, k_cache=self.caches[i].unsqueeze(-2), block_table=self.table,
                 cache_seqlens=self.local_lens, head_dim_v=DV,
                 tile_scheduler_metadata=tile, num_splits=splits,
-                softmax_scale=self.scale, causal=True,
+                softmax_scale=self.scale, causal=self.causal,
                 descale_q=self.layer._q_scale, descale_k=self.layer._k_scale)
         sched = flashmla.get_mla_metadata()[0]
         return lambda i=cache_index: flashmla.flash_mla_with_kvcache(
             q=q, k_cache=self.caches[i].unsqueeze(-2), block_table=self.table,
             cache_seqlens=self.local_lens, head_dim_v=DV,
-            tile_scheduler_metadata=sched, softmax_scale=self.scale, causal=True)
+            tile_scheduler_metadata=sched, softmax_scale=self.scale,
+            causal=self.causal)
 
     def fa3_fn(self):
         from tests.support.fa3_native import FlashInferSm90MLAGraphed
@@ -180,26 +182,66 @@ class Point:
         shape = SimpleNamespace(num_heads=self.heads, kv_lora_rank=DV, rope_dim=DR,
                                 page_size=PAGE, sm_scale=self.scale,
                                 dtype=torch.bfloat16)
-        wrapper.plan(**_fi_fp8_plan_args(plan_fa3_csr, shape, self.qsl.cpu(), indptr,
-                                         indices, self.local_lens.cpu()))
+        wrapper.plan(**_fi_fp8_plan_args(self.heads, self.scale, self.qsl.cpu(),
+                                         indptr, indices, self.local_lens.cpu()))
         q = (self.q.float() * Q_SCALE).bfloat16()
         cache = self.caches[0]
         return lambda: wrapper.run(query=q, kv_cache=cache, return_lse=True)
 
 
-def _fi_fp8_plan_args(_plan, shape, qo_indptr, kv_indptr, kv_indices, kv_lens):
+def _fi_fp8_plan_args(heads, scale, qo_indptr, kv_indptr, kv_indices, kv_lens):
+    """FlashInfer's FA3 MLA plan for bf16 q over an fp8 e4m3 cache (per-tensor
+    scale 1: the cache holds the values the check attends)."""
     from flashinfer.mla import MLAPlanMetadata
 
     return dict(
-        metadata=MLAPlanMetadata.csr(qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                                     kv_indices=kv_indices, kv_len_arr=kv_lens),
-        num_heads=shape.num_heads, head_dim_ckv=DV, head_dim_kpe=DR,
-        page_size=PAGE, causal=False, sm_scale=shape.sm_scale,
+        metadata=MLAPlanMetadata.csr(qo_indptr=qo_indptr.int(), kv_indptr=kv_indptr.int(),
+                                     kv_indices=kv_indices, kv_len_arr=kv_lens.int()),
+        num_heads=heads, head_dim_ckv=DV, head_dim_kpe=DR,
+        page_size=PAGE, causal=False, sm_scale=scale,
         q_data_type=torch.bfloat16, kv_data_type=FP8, lse_mode="base2")
+
+
+def flashinfer_fp8_check(heads=96, batch=2, local=1024, q_len=4):
+    """FlashInfer's FA3 MLA with an fp8 cache against float32 attention on
+    the same fp8 values: (max |out error|, max |lse error| in natural log)."""
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    from tests.support.fa3_native import paged_kv_csr
+
+    gen = torch.Generator("cuda").manual_seed(1)
+    pages = local // PAGE
+    cache = (torch.randn(batch * pages + 1, PAGE, DV + DR, device="cuda",
+                         generator=gen) * 0.5).to(FP8)
+    table = (torch.arange(batch * pages, device="cuda") + 1).view(batch, pages).int()
+    lens = torch.full((batch,), local, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32) * q_len
+    q = torch.randn(batch * q_len, heads, DV + DR, device="cuda", generator=gen).bfloat16()
+    scale = 1.0 / math.sqrt(192)
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = BatchMLAPagedAttentionWrapper(ws, backend="fa3")
+    indptr, indices = paged_kv_csr(lens, table, PAGE)
+    wrapper.plan(**_fi_fp8_plan_args(heads, scale, qsl, indptr, indices, lens))
+    out, lse = wrapper.run(query=q, kv_cache=cache, return_lse=True)
+    keys = cache[table.long()].float().view(batch, local, DV + DR)
+    scores = torch.einsum("bthd,bkd->bthk", q.float().view(batch, q_len, heads, -1),
+                          keys) * scale
+    ref_lse = torch.logsumexp(scores, -1)
+    ref_out = torch.einsum("bthk,bkd->bthd", scores.softmax(-1), keys[..., :DV])
+    out_err = (out.float().view_as(ref_out) - ref_out).abs().max().item()
+    lse_err = (lse.view_as(ref_lse) * math.log(2.0) - ref_lse).abs().max().item()
+    return out_err, lse_err
 
 
 def layer_part(args, gen):
     rows = []
+    try:
+        out_err, lse_err = flashinfer_fp8_check()
+        print(f"fi-fp8 check (96 heads, bf16 q, fp8 cache, vs float32): max out error "
+              f"{out_err:.2e}, max lse error {lse_err:.2e}", flush=True)
+    except Exception as error:  # noqa: BLE001 - the finding is that it fails
+        print(f"fi-fp8 check: FlashInfer's FA3 MLA takes no fp8 cache here: "
+              f"{type(error).__name__}: {str(error)[:300]}", flush=True)
     print(f"{'H':>4}{'kind':>7}{'kv':>5}{'B':>4}{'local':>7}  "
           + "  ".join(f"{p:>13}" for p in ("dcp", "alone", "fa3|fi-fp8"))
           + "   us / fraction of the bf16 roofline; dcp/alone")
