@@ -27,7 +27,7 @@ for step in "${@:-tests}"; do
     tests) timeout 500 python3 -m pytest -q -p no:cacheprovider -W ignore \
              tests/gpu/test_sm90_vllm_backend.py tests/test_triton_dcp_mla.py \
              tests/gpu/test_flashinfer_sm90_dcp.py tests/test_flashinfer_sm90_mla.py \
-             tests/test_flashmla_dcp_mla.py ${TESTS_K:+-k "$TESTS_K"} \
+             ${TESTS_K:+-k "$TESTS_K"} \
              2>&1 | tee "$OUT/tests.txt" | tail -8 ;;
     bench) timeout 300 python3 -m benchmarks.hopper_rows \
              --out-dir "$OUT" 2>&1 | tee "$OUT/hopper_rows.txt" | grep -v -i warn ;;

@@ -292,15 +292,47 @@ def make_batch(sim, rng, *, num_reqs, num_tokens, query_lens=None, seq_lens=None
                            num_tokens=num_tokens)
 
 
+def fp8_kernel_alone_errors(sim, batch, layer, ref_out, ref_lse):
+    """How far vLLM's fp8 FlashMLA alone (no DCP: upstream's call over the
+    whole cache, its own mask) is from float32 attention on the same fp8
+    values: (max out error, max LSE error). Its fp8 kernel rounds more than
+    the bf16 one; the DCP rows may differ from dense by about as much."""
+    from vllm.v1.attention.ops import flashmla
+
+    num_reqs = sum(1 for n in batch.query_lens if n)
+    q_len = sim.query_len
+    q = sim.stored(batch.q[layer][:num_reqs * q_len].float(), Q_SCALE)
+    cache = sim.stored(sim.dense_caches[layer], K_SCALE)
+    lens = torch.tensor(batch.seq_lens[:num_reqs], dtype=torch.int32, device=DEVICE)
+    tile, splits = flashmla.get_mla_metadata_dense_fp8(lens, q_len * NUM_HEADS, 1)
+    out, lse = flashmla.flash_mla_with_kvcache_fp8(
+        q=q.view(num_reqs, q_len, NUM_HEADS, LATENT), k_cache=cache.unsqueeze(-2),
+        block_table=sim.slot_table[batch.slots[:num_reqs]].to(DEVICE),
+        cache_seqlens=lens, head_dim_v=LATENT - 64, tile_scheduler_metadata=tile,
+        num_splits=splits, softmax_scale=SCALE, causal=sim.causal,
+        descale_q=sim.layer._q_scale, descale_k=sim.layer._k_scale)
+    out = out.float().view(-1, NUM_HEADS, LATENT - 64)
+    lse = lse.transpose(1, 2).reshape(-1, NUM_HEADS)
+    return ((out - ref_out.to(DEVICE)).abs().max().item(),
+            (lse - ref_lse.to(DEVICE)).abs().max().item())
+
+
 def check_merged(sim, batch, per_rank):
-    """The ranks' partials of every layer, merged, against dense attention."""
+    """The ranks' partials of every layer, merged, against dense attention:
+    within bf16 rounding, or for fp8 within twice the fp8 kernel's own error
+    without DCP (``fp8_kernel_alone_errors``)."""
     real = sum(batch.query_lens)
     for layer, (ref_out, ref_lse) in enumerate(sim.dense(batch)):
         outs = torch.stack([r[layer][0][:real].float() for r in per_rank])
         lses = torch.stack([r[layer][1][:real] for r in per_rank])
         out, lse = merge_partials(outs, lses)
-        torch.testing.assert_close(out, ref_out.to(out.device), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse, ref_lse.to(lse.device), atol=1e-3, rtol=1e-4)
+        out_tol, lse_tol = 2e-2, 1e-3
+        if sim.fp8:
+            alone_out, alone_lse = fp8_kernel_alone_errors(sim, batch, layer,
+                                                           ref_out, ref_lse)
+            out_tol, lse_tol = max(out_tol, 2 * alone_out), max(lse_tol, 2 * alone_lse)
+        torch.testing.assert_close(out, ref_out.to(out.device), atol=out_tol, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse.to(lse.device), atol=lse_tol, rtol=1e-4)
         assert all(bool((r[layer][0][real:batch.num_tokens] == 0).all())
                    for r in per_rank), "padding rows must be 0"
 

@@ -66,6 +66,12 @@ class FlashMLARowPlan:
         causal: a speculative verify block (tails); False: a DSpark block.
         block_table: int32 [R, B] local block table of the requests.
         prefix_lens: int32 [R] local keys every token of the request sees.
+        kernel_lens: int32 [R] the lengths FlashMLA is given: ``prefix_lens``,
+            or (fp8) at least 1: vLLM's fp8 FlashMLA faults on the H200 when
+            no request has a key (a rank's share of a short CUDA-graph
+            capture batch); the extra key's partial is never read, as
+            ``row_prefix_lens`` stays exact (``tail_merge`` ignores a prefix
+            of 0, the empty-row mask drops a draft row with none).
         rows: the forward's rows (``seq_lens``, ``block_table`` [>= T]).
         row_prefix_lens: int32 [T] ``prefix_lens`` of each row's request.
         sched_meta: bf16: FlashMLA's ``FlashMLASchedMeta`` (filled by the
@@ -82,6 +88,7 @@ class FlashMLARowPlan:
     causal: bool
     block_table: torch.Tensor
     prefix_lens: torch.Tensor
+    kernel_lens: torch.Tensor
     rows: FlatDecode
     row_prefix_lens: torch.Tensor
     sched_meta: Any
@@ -132,7 +139,7 @@ class FlashMLARowPlan:
             tile_metadata, num_splits = self.sched_meta
             out, lse = ops.flash_mla_with_kvcache_fp8(
                 q=q_tiles, k_cache=cache, block_table=self.block_table,
-                cache_seqlens=self.prefix_lens, head_dim_v=head_dim_v,
+                cache_seqlens=self.kernel_lens, head_dim_v=head_dim_v,
                 tile_scheduler_metadata=tile_metadata, num_splits=num_splits,
                 softmax_scale=sm_scale, causal=False,
                 descale_q=q_scale.reshape(1), descale_k=k_scale.reshape(1))
@@ -182,6 +189,7 @@ class FlashMLARowPlanner:
         self.planned_forward_id = 0  # of the last plan
         self.fp8 = fp8
         self._prefix_lens = torch.zeros(max_reqs, **i32)
+        self._kernel_lens = torch.zeros(max_reqs, **i32)
         self._row_prefix_lens = torch.zeros(max_rows, **i32)
         self._tile_metadata = torch.zeros(num_sms, TILE_METADATA_WIDTH, **i32)
         self._num_splits = torch.zeros(max_reqs + 1, **i32)
@@ -215,9 +223,12 @@ class FlashMLARowPlanner:
         row_prefix = self._row_prefix_lens[:num_rows]
         row_prefix.view(num_reqs, query_len).copy_(prefix[:, None].expand(-1, query_len))
         ops = _flashmla_ops()
+        kernel_lens = prefix
         if self.fp8:
+            kernel_lens = self._kernel_lens[:num_reqs]
+            torch.clamp(prefix, min=1, out=kernel_lens)
             tile_metadata, num_splits = ops.get_mla_metadata_dense_fp8(
-                prefix, query_len * self.num_heads, 1)
+                kernel_lens, query_len * self.num_heads, 1)
             parts = tile_metadata.shape[0]
             if parts > self._tile_metadata.shape[0]:
                 raise RuntimeError(f"FlashMLA made {parts} SM partitions, more "
@@ -229,7 +240,8 @@ class FlashMLARowPlanner:
             sched_meta = ops.get_mla_metadata()[0]
         return FlashMLARowPlan(
             num_reqs=num_reqs, query_len=query_len, causal=causal,
-            block_table=block_table, prefix_lens=prefix, rows=rows,
+            block_table=block_table, prefix_lens=prefix, kernel_lens=kernel_lens,
+            rows=rows,
             row_prefix_lens=row_prefix, sched_meta=sched_meta, fp8=self.fp8,
             kv_lora_rank=self.kv_lora_rank, planned_forward_id=forward_id,
             planner=self)
