@@ -9,8 +9,10 @@ script (run here, with network) gathers into the ignored folder ``.bundle/``:
   vllm-0.32.0.zip      vLLM 0.32.0's ``*.py`` files and data files (json,
                        jinja, py.typed) from the CUDA wheel, plus its
                        dist-info (platform detection reads the ``vllm``
-                       distribution's version); no ``.so``, no third_party
-                       headers, no ``vllm-rs`` binary
+                       distribution's version), and FlashMLA's two
+                       extensions (``VLLM_KEEP_SO``: built on torch's stable
+                       C ABI, so they load under the device's torch); no
+                       other ``.so``, no third_party headers, no ``vllm-rs``
   wheels/              cp312 wheels of the packages vLLM imports that the
                        device lacks (``DEP_WHEELS``; one version each)
   flashinfer/          FlashInfer 0.7.2.post1 trimmed to what its FA3 MLA JIT
@@ -97,8 +99,12 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
 
 # vLLM wheel: every *.py file (vllm/third_party/pynvml.py included: platform
 # detection imports it), and these data files, except under VLLM_DROP (the
-# CUDA headers of third_party kernels). Never the .so files or vllm-rs.
+# CUDA headers of third_party kernels). Of the .so files only FlashMLA's
+# (dense bf16 decode; dense fp8 decode), which use torch's stable C ABI
+# only (aoti_torch_* / torch_* symbols) and so load under another torch;
+# the others are built against vLLM's torch 2.x ABI. Never vllm-rs.
 VLLM_KEEP_DATA = ("*.json", "*.jinja", "py.typed")
+VLLM_KEEP_SO = ("vllm/_flashmla_C.abi3.so", "vllm/_flashmla_extension_C.abi3.so")
 VLLM_DROP = ("vllm/third_party/*",)
 DIST_INFO_DROP = ("RECORD",)  # lists the .so files that are not there
 
@@ -177,7 +183,7 @@ def build_vllm(out: Path) -> int:
             if top.endswith(".dist-info"):
                 if name.split("/")[-1] not in DIST_INFO_DROP:
                     yield name, wheel.read(info)
-            elif top == "vllm" and (name.endswith(".py") or (
+            elif top == "vllm" and (name.endswith(".py") or name in VLLM_KEEP_SO or (
                     matches(name.split("/")[-1], VLLM_KEEP_DATA)
                     and not matches(name, VLLM_DROP))):
                 yield name, wheel.read(info)

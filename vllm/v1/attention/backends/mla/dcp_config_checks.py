@@ -17,6 +17,7 @@ FLASHINFER_MLA = "FLASHINFER_MLA"
 TOKENSPEED_MLA = "TOKENSPEED_MLA"
 CPU_MLA = "CPU_MLA"
 TRITON_MLA = "TRITON_MLA"
+FLASHMLA = "FLASHMLA"
 FLASH_ATTN_MLA = "FLASH_ATTN_MLA"
 
 # MLA latent layout every kernel here is built for (DeepSeek-V3 / Kimi-K3).
@@ -31,6 +32,7 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 # (flashinfer's import queries the GPU, which must not happen in vLLM's
 # front-end process).
 KERNEL_BLOCK_SIZES = {FLASHINFER_MLA: (32, 64), TOKENSPEED_MLA: (32, 64),
+                      FLASHMLA: (64,),
                       # any multiple of 16: vLLM's default stands (16 or 64)
                       FLASH_ATTN_MLA: (16, 64)}
 
@@ -167,6 +169,25 @@ def tokenspeed_problems(s: DCPSetting) -> list[str]:
     return problems
 
 
+def flashmla_problems(s: DCPSetting) -> list[str]:
+    """Why FLASHMLA with DCP/DSpark cannot run this setting (none: []).
+
+    vLLM's FlashMLA dense decode: Hopper, a 512 + 64 latent, pages of 64, bf16
+    or fp8 KV (vLLM's own checks); here the DCP layout and the GPU."""
+    problems = _layout_problems(s)
+    if s.gpu_major != 9:
+        problems.append(
+            f"FLASHMLA's dense decode runs on sm90 (Hopper) GPUs only, not "
+            f"compute capability {s.gpu_major}.x: choose another backend with "
+            "--attention-backend.")
+    if (s.kv_lora_rank, s.qk_rope_head_dim) != (KV_LORA_RANK, QK_ROPE_HEAD_DIM):
+        problems.append(
+            f"FLASHMLA needs a {KV_LORA_RANK} + {QK_ROPE_HEAD_DIM} latent cache, "
+            f"the model has {s.kv_lora_rank} + {s.qk_rope_head_dim}: choose "
+            "another backend with --attention-backend.")
+    return problems
+
+
 def triton_problems(s: DCPSetting) -> list[str]:
     """Why TRITON_MLA with DCP/DSpark cannot run this setting (none: []).
 
@@ -210,9 +231,9 @@ def flashattn_problems(s: DCPSetting) -> list[str]:
 
 PROBLEMS = {FLASHINFER_MLA: flashinfer_problems, TOKENSPEED_MLA: tokenspeed_problems,
             CPU_MLA: cpu_problems, TRITON_MLA: triton_problems,
-            FLASH_ATTN_MLA: flashattn_problems}
+            FLASHMLA: flashmla_problems, FLASH_ATTN_MLA: flashattn_problems}
 # The CUDA backends the start-up checks judge when a flag names them.
-NAMED_CUDA_BACKENDS = (FLASHINFER_MLA, TOKENSPEED_MLA, FLASH_ATTN_MLA)
+NAMED_CUDA_BACKENDS = (FLASHINFER_MLA, TOKENSPEED_MLA, FLASHMLA, FLASH_ATTN_MLA)
 
 
 def raise_if_unsupported(backend: str, setting: DCPSetting,

@@ -36,6 +36,8 @@ UPSTREAM_MODULES: tuple[str, ...] = (
     "vllm.v1.attention.backends.mla.tokenspeed_mla",
     "vllm.v1.attention.backends.mla.cpu_mla",
     "vllm.v1.attention.backends.mla.triton_mla",
+    "vllm.v1.attention.backends.mla.flashmla",
+    "vllm.v1.attention.ops.flashmla",
     "vllm.v1.attention.ops.triton_decode_attention",
     "vllm.model_executor.layers.attention.mla_attention",
     "vllm.v1.attention.ops.dcp",

@@ -259,3 +259,10 @@ def block_table_width(kv_cache_spec, vllm_config) -> int:
         widths.append(get_block_table_width(blocks, group_block)
                       * (group_block // kernel_block))
     return max(widths)
+
+
+def kv_split_over_dcp(kv_cache_spec, vllm_config) -> bool:
+    """Whether a KV-cache group is split over the DCP ranks (vLLM >= 0.33
+    keeps a cache every rank holds whole, e.g. a DCP-1 draft, unsplit)."""
+    return (vllm_config.parallel_config.decode_context_parallel_size > 1
+            and getattr(kv_cache_spec, "dcp_sharded", True))

@@ -19,7 +19,8 @@ Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
     this patch gives DCP, or ``AMX_MLA`` on CPUs with AMX tiles unless
     ``--attention-backend CPU_MLA`` is given), for the target's layers and
     a DSpark draft's (``attention_backend`` in ``--speculative-config``).
-  * CUDA: the backends of ``checks.NAMED_CUDA_BACKENDS`` when named by
+  * CUDA: the backends of ``checks.NAMED_CUDA_BACKENDS`` (FLASHINFER_MLA,
+    TOKENSPEED_MLA, FLASHMLA, FLASH_ATTN_MLA) when named by
     ``--attention-backend`` or the draft's ``attention_backend`` in
     ``--speculative-config``, with the block size vLLM will pick for them
     (read off a table: importing their kernels here would touch the GPU),

@@ -62,6 +62,7 @@ BACKEND_OVERRIDES: list[tuple[str, str]] = [
     ("TOKENSPEED_MLA", f"{_MLA}.tokenspeed_dcp_mla.TokenspeedDCPMLABackend"),
     ("CPU_MLA", f"{_MLA}.cpu_dcp_mla.CPUDCPMLABackend"),
     ("TRITON_MLA", f"{_MLA}.triton_dcp_mla.TritonDCPMLABackend"),
+    ("FLASHMLA", f"{_MLA}.flashmla_dcp_mla.FlashMLADCPBackend"),
     ("FLASH_ATTN_MLA", f"{_MLA}.flashattn_dcp_mla.FlashAttnDCPMLABackend"),
 ]
 

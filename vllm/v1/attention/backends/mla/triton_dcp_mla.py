@@ -47,6 +47,7 @@ from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
 )
+from vllm.v1.attention.backends.mla.dcp_settings import kv_split_over_dcp
 from vllm.v1.attention.backends.mla.triton_mla import (
     TritonMLABackend,
     TritonMLAImpl,
@@ -59,13 +60,6 @@ from vllm.v1.worker.workspace import (
     current_workspace_manager,
     is_workspace_manager_initialized,
 )
-
-
-def _rows_under_dcp(kv_cache_spec: AttentionSpec, vllm_config: VllmConfig) -> bool:
-    """Whether this KV-cache group is split over the DCP ranks (vLLM >= 0.33
-    keeps a cache every rank holds whole, e.g. a DCP-1 draft, unsplit)."""
-    return (vllm_config.parallel_config.decode_context_parallel_size > 1
-            and getattr(kv_cache_spec, "dcp_sharded", True))
 
 
 class TritonDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TritonMLAMetadataBuilder):
@@ -90,7 +84,7 @@ class TritonDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TritonMLAMetadataBuilde
     ) -> None:
         # Read by the base __init__ (reorder threshold, DSpark validation,
         # upstream's workspace reservation), so set before it runs.
-        self._dcp_rows_enabled = _rows_under_dcp(kv_cache_spec, vllm_config)
+        self._dcp_rows_enabled = kv_split_over_dcp(kv_cache_spec, vllm_config)
         if self._dcp_rows_enabled:
             # Per builder, as the CPU and ROCm AITER MLA builders set it.
             self.query_len_support = QueryLenSupport.VARLEN  # type: ignore[misc]

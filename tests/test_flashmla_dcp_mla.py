@@ -1,0 +1,279 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FLASHMLA under DCP x DSpark the way vLLM drives it, on CPU.
+
+vLLM's own ``VllmConfig``, ``CommonAttentionMetadata`` and this project's
+``FlashMLADCPMetadataBuilder`` / ``FlashMLADCPImpl``: the builder fills the
+rows and plans FlashMLA once per forward, every layer's ``forward_mqa``
+runs. vLLM's FlashMLA kernels (CUDA only) are stood in by
+``kernel_stubs.FlashMLAReference`` (FlashMLA's documented contract,
+scheduler reuse included); the tail kernel is the real Triton one, so the
+``triton_path`` tests run under ``TRITON_INTERPRET=1``
+(``test_interpreter_runs_triton_path_tests`` starts them in a subprocess on
+every CI run). The ranks' outputs, merged, must equal
+``dense_reference.full_attention`` on the same (bf16- or fp8-rounded)
+values. The same builder with vLLM's FlashMLA on the H200:
+``tests/gpu/test_sm90_vllm_backend.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.support.builder_harness import (
+    TINY_MLA_CONFIG, common_metadata, fake_dcp_group, make_builder, make_mla_impl,
+    make_vllm_config)
+from tests.support.dense_reference import full_attention, random_decode_batch
+from tests.support.kernel_stubs import FlashMLAReference
+from tests.support.triton_interpreted import (
+    needs_triton, run_triton_path_tests, runs_where_triton_cannot)
+from vllm.v1.attention.ops.dcp_decode import DCPLayout
+from tools.dcp_simulated_ranks import decode_on_simulated_ranks
+
+NUM_HEADS = 8  # the tiny model's, every rank's after DCP's query gather (TP = DCP)
+BLOCK_SIZE = 64  # FlashMLA's only page size
+NUM_LAYERS = 2
+NUM_SPEC = 3
+TARGET_LAYERS = TINY_MLA_CONFIG["num_hidden_layers"]
+FP8 = torch.float8_e4m3fn
+Q_SCALE, K_SCALE = 0.05, 0.1
+
+CASES = {  # (seq_lens, query_lens): uniform requests, as FlashMLA decodes them
+    # Short requests whose first tokens have no local key on some ranks.
+    "uniform": ([37, 4, 300, 18, 130], [4, 4, 4, 4, 4]),
+    # A CUDA graph's padded batch: trailing zero-length requests, the rows
+    # padded to every request's share (Model Runner V2's uniform padding).
+    "padded": ([37, 4, 300, 0, 0], [4, 4, 4, 0, 0]),
+    # Interleave 64 at W 8: every request shorter than W x I.
+    "short": ([70, 5, 200, 64, 129], [4, 4, 4, 4, 4]),
+}
+
+
+@pytest.fixture
+def flashmla(monkeypatch):
+    """The backend module as on an H200, vLLM's FlashMLA calls stood in."""
+    from vllm.v1.attention.backends.mla import flashmla_dcp_mla
+    from vllm.v1.attention.ops import flashmla as flashmla_ops
+
+    from vllm.v1.attention.backends.mla import flashmla as upstream
+
+    kernel = FlashMLAReference()
+    monkeypatch.setattr(flashmla_dcp_mla.checks, "current_gpu_major", lambda: 9)
+    monkeypatch.setattr(upstream, "is_flashmla_dense_supported", lambda: (True, None))
+    for name in ("get_mla_metadata", "get_mla_metadata_dense_fp8",
+                 "flash_mla_with_kvcache", "flash_mla_with_kvcache_fp8"):
+        # Where this project calls them, and where upstream's impl does.
+        monkeypatch.setattr(flashmla_ops, name, getattr(kernel, name))
+        monkeypatch.setattr(upstream, name, getattr(kernel, name))
+    flashmla_dcp_mla.kernel = kernel
+    return flashmla_dcp_mla
+
+
+def _layer(fp8):
+    q_scale, k_scale = (Q_SCALE, K_SCALE) if fp8 else (1.0, 1.0)
+    return SimpleNamespace(_q_scale=torch.tensor([q_scale]),
+                           _k_scale=torch.tensor([k_scale]),
+                           _q_scale_float=q_scale, _k_scale_float=k_scale,
+                           dcp_manager=SimpleNamespace(combine=mock.Mock()))
+
+
+def _rounded(values, fp8, scale):
+    """float32 values as the kernel's storage holds them."""
+    if fp8:
+        return (values / scale).to(FP8).float() * scale
+    return values.bfloat16().float()
+
+
+def _stored(values, fp8, scale):
+    return (values / scale).to(FP8) if fp8 else values.bfloat16()
+
+
+def _run_ranks(flashmla, tmp_path, *, world, interleave, causal, shape, fp8,
+               seed=0, kept=None):
+    """Every rank: the real builder (kept across calls in ``kept``) + every
+    layer's ``forward_mqa``; returns the merged (out, lse) of the real rows
+    and the dense reference."""
+    from vllm.config import set_current_vllm_config
+
+    seq_lens, query_lens = CASES[shape]
+    batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
+                                num_heads=NUM_HEADS, seed=seed)
+    batch.q = _rounded(batch.q, fp8, Q_SCALE)
+    null = batch.kv_cache[0].clone()
+    batch.kv_cache = _rounded(batch.kv_cache, fp8, K_SCALE)
+    batch.kv_cache[0] = null
+    ref_out, ref_lse = full_attention(batch, causal=causal)
+    kept = {} if kept is None else kept
+    if "config" not in kept:
+        config = make_vllm_config(tmp_path / "model", dcp=world, interleave=interleave,
+                                  block_size=BLOCK_SIZE, num_speculative_tokens=NUM_SPEC)
+        config.model_config.dtype = torch.bfloat16
+        config.cache_config.cache_dtype = "fp8" if fp8 else "auto"
+        kept["config"] = config
+    config = kept["config"]
+    first_layer = 0 if causal else TARGET_LAYERS  # the draft's come after
+    layer_names = [f"model.layers.{first_layer + i}.self_attn.attn"
+                   for i in range(NUM_LAYERS)]
+    layer = _layer(fp8)
+    real = int(batch.query_start_loc[-1])
+    num_rows = len(query_lens) * max(query_lens)  # padding included
+    q_rows = torch.cat([batch.q, torch.randn(num_rows - real, *batch.q.shape[1:])])
+
+    def decode_rank(layout, cache, table):
+        rank = layout.rank
+        with fake_dcp_group(world, rank), set_current_vllm_config(config):
+            if rank not in kept:
+                kept[rank] = make_builder(flashmla.FlashMLADCPMetadataBuilder, config,
+                                          layer_names=layer_names,
+                                          non_causal=not causal)
+            builder = kept[rank]
+            impl = make_mla_impl(flashmla.FlashMLADCPImpl, num_heads=NUM_HEADS,
+                                 scale=batch.scale,
+                                 kv_cache_dtype="fp8" if fp8 else "auto")
+            common = common_metadata(seq_lens, query_lens, table, world_size=world,
+                                     rank=rank, interleave=interleave, causal=causal)
+            common.num_actual_tokens = num_rows
+            metadata = builder.build(0, common)
+            assert metadata.num_decodes == len(seq_lens), "every request decodes"
+            q = _stored(q_rows, fp8, Q_SCALE)
+            results = [impl.forward_mqa(q, _stored(cache, fp8, K_SCALE), metadata, layer)
+                       for _ in layer_names]
+        for out, lse in results[1:]:
+            assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+        out, lse = results[0]
+        assert bool((out[real:] == 0).all()) and bool((lse[real:] == -torch.inf).all()), (
+            "padding rows must be out 0, LSE -inf")
+        return out[:real].float(), lse[:real]
+
+    out, lse = decode_on_simulated_ranks(batch.kv_cache, batch.block_table,
+                                         batch.seq_lens, decode_rank,
+                                         layout=DCPLayout(world, interleave=interleave))
+    return out, lse, ref_out, ref_lse
+
+
+@needs_triton
+@pytest.mark.parametrize("world,interleave,shape", [
+    (2, 1, "uniform"), (4, 16, "padded"), (8, 64, "short"), (8, 1, "padded")])
+@pytest.mark.parametrize("causal", [True, False], ids=["verify", "draft"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_triton_path_ranks_merge_to_full_attention(flashmla, tmp_path, world,
+                                                   interleave, shape, causal, fp8):
+    out, lse, ref_out, ref_lse = _run_ranks(
+        flashmla, tmp_path, world=world, interleave=interleave, causal=causal,
+        shape=shape, fp8=fp8, seed=world)
+    kinds = {kind for kind, _ in flashmla.kernel.calls}
+    assert kinds == {"fp8" if fp8 else "bf16"}
+    assert all(not call["causal"] for _, call in flashmla.kernel.calls), (
+        "FlashMLA's own causal mask is wrong on a shard; the rows use causal=False")
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+def test_triton_path_builder_kept_across_forwards(flashmla, tmp_path):
+    """The real builders kept as vLLM keeps them: every forward makes a new
+    FlashMLA scheduler object (the stand-in refuses one reused over new
+    lengths) and merges to full attention."""
+    kept = {}
+    for shape, seed in (("uniform", 0), ("short", 1), ("padded", 2)):
+        out, lse, ref_out, ref_lse = _run_ranks(
+            flashmla, tmp_path, world=2, interleave=1, causal=True, shape=shape,
+            fp8=False, seed=seed, kept=kept)
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@contextlib.contextmanager
+def _rank0_of_2(flashmla, tmp_path, *, dcp=2, causal=True):
+    from vllm.config import set_current_vllm_config
+
+    config = make_vllm_config(tmp_path / "model", dcp=dcp, block_size=BLOCK_SIZE,
+                              num_speculative_tokens=NUM_SPEC)
+    config.model_config.dtype = torch.bfloat16
+    seq_lens, query_lens = CASES["uniform"]
+    batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
+                                num_heads=NUM_HEADS)
+    with fake_dcp_group(dcp, 0), set_current_vllm_config(config):
+        builder = make_builder(flashmla.FlashMLADCPMetadataBuilder, config,
+                               non_causal=not causal)
+        impl = make_mla_impl(flashmla.FlashMLADCPImpl, num_heads=NUM_HEADS,
+                             scale=batch.scale)
+        common = common_metadata(seq_lens, query_lens, batch.block_table,
+                                 world_size=dcp, rank=0, interleave=1, causal=causal)
+        yield config, builder, impl, batch, common
+
+
+def test_layer_refuses_a_forward_the_builder_did_not_plan(flashmla, tmp_path):
+    with _rank0_of_2(flashmla, tmp_path) as (_, builder, impl, batch, common):
+        first = builder.build(0, common)
+        builder.build(0, common)
+        with pytest.raises(RuntimeError, match="no plan for this forward"):
+            impl.forward_mqa(batch.q.bfloat16(), batch.kv_cache.bfloat16(), first,
+                             _layer(False))
+
+
+def test_uneven_rows_are_refused(flashmla, tmp_path):
+    """FlashMLA tiles requests of one query length; rows that do not split
+    evenly (a ragged device batch) are an error, not a wrong tiling."""
+    with _rank0_of_2(flashmla, tmp_path) as (_, builder, _, _, common):
+        metadata = builder.build(0, common)
+        planner = builder._flashmla_rows
+        with pytest.raises(ValueError, match="do not split evenly"):
+            planner.plan(metadata.decode.flat, common.block_table_tensor,
+                         num_reqs=5, num_rows=19, causal=True, forward_id=9)
+
+
+def test_dcp_decodes_speculative_blocks_only(flashmla, tmp_path):
+    """Under DCP the verify block (1 + k) and the draft block decode on the
+    rows; upstream's 128-token small-prefill threshold stays for DCP 1."""
+    from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
+
+    for causal in (True, False):
+        with _rank0_of_2(flashmla, tmp_path, causal=causal) as (_, builder, *_):
+            assert builder.reorder_batch_threshold == 1 + NUM_SPEC
+    with _rank0_of_2(flashmla, tmp_path, dcp=1) as (_, builder, _, _, common):
+        assert builder.reorder_batch_threshold == 128
+        assert builder.dcp_setting is None
+        metadata = builder.build(0, common)
+        assert not isinstance(metadata.decode, DCPDecodeMetadata)
+        assert type(metadata.decode).__name__ == "FlashMLADecodeMetadata"
+
+
+def test_dcp1_is_upstreams_flashmla(flashmla, tmp_path):
+    """At DCP 1 the impl's decode is upstream's call, bit for bit: FlashMLA
+    with its own causal mask over the whole sequence."""
+    with _rank0_of_2(flashmla, tmp_path, dcp=1) as (config, builder, impl, batch, common):
+        metadata = builder.build(0, common)
+        q = batch.q.bfloat16()
+        ours = impl.forward_mqa(q, batch.kv_cache.bfloat16(), metadata, _layer(False))
+        from vllm.v1.attention.backends.mla.flashmla import FlashMLAImpl
+
+        theirs = FlashMLAImpl.forward_mqa(impl, q, batch.kv_cache.bfloat16(), metadata,
+                                          _layer(False))
+    assert all(call["causal"] for _, call in flashmla.kernel.calls)
+    assert torch.equal(ours[0], theirs[0])
+
+
+def test_selection_flags_follow_the_dcp_size(flashmla, tmp_path):
+    """Non-causal DSpark blocks and the host-offset rule are this backend's
+    only under DCP; at DCP 1 they are upstream's."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
+
+    backend = flashmla.FlashMLADCPBackend
+    for dcp, non_causal, mismatch in ((1, FlashMLABackend.supports_non_causal(),
+                                       FlashMLABackend.supports_device_cpu_query_lens_mismatch()),
+                                      (2, True, False)):
+        with set_current_vllm_config(make_vllm_config(tmp_path / f"m{dcp}", dcp=dcp)):
+            assert backend.supports_non_causal() is non_causal
+            assert backend.supports_device_cpu_query_lens_mismatch() is mismatch
+
+
+@runs_where_triton_cannot
+def test_interpreter_runs_triton_path_tests():
+    """Every CI run: the triton_path tests under Triton's interpreter."""
+    run_triton_path_tests(__file__)

@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's FlashMLA under DCP x DSpark on Hopper: the target's causal verify and
+the DSpark draft's non-causal block, bf16 or fp8 KV, any interleave.
+
+Registered over ``FLASHMLA`` by the plugin. Upstream's builder passes no
+``supports_dcp_with_varlen``, so with DSpark and DCP it refuses the target at
+model load, and its ``causal=True`` (aligned to the end of the whole
+sequence) is wrong on a rank's interleaved shard. Here, under DCP, the
+builder fills ``DCPDecodeMetadata`` once per forward and plans FlashMLA on it
+(``vllm.v1.attention.ops.flashmla_dcp_rows``): one ``causal=False`` call per
+layer over each request's shared local prefix, kept as one tile per request
+as FlashMLA wants it, plus each verify token's few remaining local keys
+through the tail kernel; all from device data, so uniform decode batches
+replay in full CUDA graphs (upstream's ``UNIFORM_BATCH``).
+
+Rows where this rank holds no KV are masked (out 0, LSE -inf) and the layers'
+combines, routed once when the builder is made, skip their own per-layer
+mask (``dcp_epilogue``).
+
+With DCP size 1 (or a cache every rank holds whole) the selection, builder
+and kernel calls are upstream's.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
+from vllm.utils.platform_utils import num_compute_units
+from vllm.v1.attention.backend import AttentionLayer
+from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
+from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
+from vllm.v1.attention.backends.mla.dcp_metadata import (
+    DCPDecodeBuilderMixin,
+    DCPDecodeMetadata,
+)
+from vllm.v1.attention.backends.mla.dcp_settings import kv_split_over_dcp
+from vllm.v1.attention.backends.mla.flashmla import (
+    FlashMLABackend,
+    FlashMLAImpl,
+    FlashMLAMetadata,
+    FlashMLAMetadataBuilder,
+)
+from vllm.v1.attention.ops.flashmla_dcp_rows import FlashMLARowPlan, FlashMLARowPlanner
+from vllm.v1.kv_cache_interface import AttentionSpec, is_quantized_kv_cache
+
+
+def _group_kv_cache_dtype(kv_cache_spec: AttentionSpec, vllm_config) -> str:
+    """The KV-cache dtype of a group's layers: the one their MLA layers put
+    on the spec (a layer's own, e.g. a DSpark draft's), else the config's."""
+    return (getattr(kv_cache_spec, "cache_dtype_str", None)
+            or vllm_config.cache_config.cache_dtype)
+
+
+class FlashMLADCPMetadataBuilder(DCPDecodeBuilderMixin, FlashMLAMetadataBuilder):
+    """FlashMLA builder that, under DCP, fills the rows and plans FlashMLA on
+    them once per forward; upstream's builder otherwise."""
+
+    dcp_backend = checks.FLASHMLA
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        # Read by the base __init__ (DSpark validation, reorder threshold),
+        # so set first; per builder, so that DCP size 1 keeps upstream's
+        # class attributes.
+        self._dcp_rows_enabled = kv_split_over_dcp(kv_cache_spec, vllm_config)
+        if self._dcp_rows_enabled:
+            self.supports_non_causal_multi_token_decode = True  # type: ignore[misc]
+            self.supports_non_causal_multi_token_dcp = True  # type: ignore[misc]
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._flashmla_rows: FlashMLARowPlanner | None = None
+        if self._dcp_rows_enabled:
+            setting = self.dcp_setting
+            self._flashmla_rows = FlashMLARowPlanner(
+                max_reqs=setting.row_capacity, max_rows=setting.row_capacity,
+                num_heads=setting.gathered_heads,
+                kv_lora_rank=self.mla_dims.kv_lora_rank,
+                fp8=is_quantized_kv_cache(_group_kv_cache_dtype(kv_cache_spec,
+                                                                vllm_config)),
+                num_sms=num_compute_units(self.device.index)
+                if self.device.type == "cuda" else 1,
+                device=self.device)
+
+    def _validate_dspark_dcp_support(self, supports_dcp_with_varlen: bool) -> None:
+        super()._validate_dspark_dcp_support(
+            supports_dcp_with_varlen or self._dcp_rows_enabled)
+
+    def _init_reorder_batch_threshold(
+        self,
+        reorder_batch_threshold: int | None = 1,
+        supports_spec_as_decode: bool = False,
+        supports_dcp_with_varlen: bool = False,
+    ) -> None:
+        if self._dcp_rows_enabled:
+            # Upstream sends multi-token queries to prefill under DCP; the
+            # rows decode speculative blocks (1 + k, or a DSpark block of k),
+            # and short prefills stay prefills (upstream's 128-token decode
+            # threshold is for DCP size 1).
+            reorder_batch_threshold, supports_dcp_with_varlen = 1, True
+        super()._init_reorder_batch_threshold(
+            reorder_batch_threshold, supports_spec_as_decode, supports_dcp_with_varlen)
+
+    def _build_decode(self, *, block_table_tensor, seq_lens_device, max_seq_len,
+                      query_start_loc_cpu, query_start_loc_device,
+                      num_decode_tokens, max_query_len, dcp_tot_seq_lens_device):
+        decode = super()._build_decode(
+            block_table_tensor=block_table_tensor, seq_lens_device=seq_lens_device,
+            max_seq_len=max_seq_len, query_start_loc_cpu=query_start_loc_cpu,
+            query_start_loc_device=query_start_loc_device,
+            num_decode_tokens=num_decode_tokens, max_query_len=max_query_len,
+            dcp_tot_seq_lens_device=dcp_tot_seq_lens_device)
+        if isinstance(decode, DCPDecodeMetadata):
+            decode.plan = self._flashmla_rows.plan(
+                decode.flat, block_table_tensor,
+                num_reqs=query_start_loc_cpu.shape[0] - 1,
+                num_rows=num_decode_tokens, causal=decode.causal,
+                forward_id=decode.forward_id)
+        return decode
+
+
+class FlashMLADCPImpl(FlashMLAImpl):
+    """FlashMLA decode over the per-forward DCP rows."""
+
+    # FlashMLA's LSE and the tails' are natural log.
+    lse_base_on_e: ClassVar[bool] = True
+    # Every query token has its own local bound (prefix + tail), so causal
+    # verify and draft blocks work at any --cp-kv-cache-interleave-size
+    # (vLLM's check_attention_cp_compatibility reads this).
+    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: FlashMLAMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Absorbed-MLA decode of T = R x s query tokens over this rank's KV.
+
+        Args:
+            q: [T, H, 576] (or the ``(q_nope, q_pe)`` pair), bf16, or fp8
+                e4m3 with an fp8 cache (vLLM quantizes it with the layer's
+                ``_q_scale``); H is every head of the DCP group after vLLM's
+                query gather.
+            kv_c_and_k_pe_cache: [P, 64, 576] this rank's cache (fp8 e4m3
+                with an fp8 KV-cache dtype).
+
+        Returns:
+            ``(out [T, H, 512] bf16, lse [T, H] float32 natural log or None)``.
+        """
+        decode = attn_metadata.decode
+        if not isinstance(decode, DCPDecodeMetadata):
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        plan = decode.plan
+        if not isinstance(plan, FlashMLARowPlan) or not plan.is_current or (
+                plan.planned_forward_id != decode.forward_id):
+            raise RuntimeError(
+                "FLASHMLA under DCP: no plan for this forward; the metadata "
+                "builder plans once per forward before the layers run")
+        fp8 = is_quantized_kv_cache(self.kv_cache_dtype)
+        out, lse = plan.run(q, kv_c_and_k_pe_cache, sm_scale=self.scale,
+                            q_scale=layer._q_scale if fp8 else None,
+                            k_scale=layer._k_scale if fp8 else None)
+        return finish_rows_decode(self, out, lse, decode.flat)
+
+
+class FlashMLADCPBackend(FlashMLABackend):
+    """``FLASHMLA`` with DCP x DSpark rows (sm90)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashMLADCPImpl]:
+        return FlashMLADCPImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashMLADCPMetadataBuilder]:
+        return FlashMLADCPMetadataBuilder
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        # A DSpark block under DCP is a prefix with no tail; without DCP
+        # Hopper keeps upstream's choice (TRITON_MLA).
+        return current_dcp_size() > 1 or super().supports_non_causal()
+
+    @classmethod
+    def supports_non_causal_dcp(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # FlashMLA tiles each request's s tokens together, s read from the
+        # host offsets (upstream reshapes the same way); under DCP the rows
+        # must match those tiles, so adaptive verification is refused there.
+        if current_dcp_size() > 1:
+            return False
+        return super().supports_device_cpu_query_lens_mismatch()

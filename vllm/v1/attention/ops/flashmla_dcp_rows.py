@@ -1,0 +1,247 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's FlashMLA decode kernel on a rank's DCP rows: one call per layer over
+each request's shared local prefix, plus the causal tails.
+
+FlashMLA (``flash_mla_with_kvcache``, bf16; ``flash_mla_with_kvcache_fp8``)
+keeps a request's query tokens in one tile: q [R, s, H, D], one cache length
+per request, and either no mask (every token sees ``cache_seqlens``) or a
+causal mask aligned to the end of the whole sequence, which is wrong for a
+rank's interleaved shard of it. Under DCP every token of a request sees the
+local keys its first token sees (the bounds grow with the token, or are all
+equal in a non-causal DSpark block), so:
+
+- FlashMLA runs ``causal=False`` over that shared prefix, the first token's
+  local bound (``DCPDecodeMetadata.flat.seq_lens`` of the request's first
+  row, read on the device);
+- a causal verify block's later tokens add their remaining local keys, at
+  most ``s - 1`` of them, through ``mla_tail_merge.tail_merge``, which also
+  merges the two partials (natural-log LSE) and zeroes rows with no local
+  key. A draft block has no tail: every token's bound is the prefix.
+
+Everything is read from device tensors written once per forward into
+persistent buffers (``FlashMLARowPlanner``): no host data, nothing to go
+stale under async scheduling, and a CUDA graph captured over ``run``
+replays each later plan. bf16: FlashMLA's scheduler metadata is made on the
+device by the forward's first layer and reused by the others (FlashMLA's own
+contract: same shapes and lengths), inside the graph when captured; fp8: the
+planner makes it (``get_mla_metadata_dense_fp8``) into persistent buffers, as
+vLLM's FLASHMLA builder does.
+
+The kernels are vLLM's (``vllm.v1.attention.ops.flashmla``), imported when a
+plan is made; nothing of vllm is imported at module level.
+
+Shapes: R decode requests, s query tokens per request (uniform, as FlashMLA
+requires), T = R * s rows, H heads, D = Dv + Dr (512 + 64), P pages of 64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.v1.attention.ops.dcp_decode import FlatDecode
+from vllm.v1.attention.ops.mla_tail_merge import tail_merge
+
+__all__ = ["FlashMLARowPlan", "FlashMLARowPlanner", "TILE_METADATA_WIDTH"]
+
+# FlashMLA's TileSchedulerMetaDataSize: int32 entries per SM partition.
+TILE_METADATA_WIDTH = 8
+
+
+def _flashmla_ops():
+    from vllm.v1.attention.ops import flashmla
+
+    return flashmla
+
+
+@dataclass
+class FlashMLARowPlan:
+    """One forward's FlashMLA decode of a rank's rows, run by every layer.
+
+    Attributes:
+        num_reqs: R, decode requests (CUDA-graph padding included).
+        query_len: s, query tokens of every request.
+        causal: a speculative verify block (tails); False: a DSpark block.
+        block_table: int32 [R, B] local block table of the requests.
+        prefix_lens: int32 [R] local keys every token of the request sees.
+        kernel_lens: int32 [R] the lengths FlashMLA is given: ``prefix_lens``,
+            or (fp8) at least 1: vLLM's fp8 FlashMLA faults on the H200 when
+            no request has a key (a rank's share of a short CUDA-graph
+            capture batch); the extra key's partial is never read, as
+            ``row_prefix_lens`` stays exact (``tail_merge`` ignores a prefix
+            of 0, the empty-row mask drops a draft row with none).
+        rows: the forward's rows (``seq_lens``, ``block_table`` [>= T]).
+        row_prefix_lens: int32 [T] ``prefix_lens`` of each row's request.
+        sched_meta: bf16: FlashMLA's ``FlashMLASchedMeta`` (filled by the
+            first layer's call); fp8: ``(tile_scheduler_metadata [n, 8],
+            num_splits [R + 1])`` made by the planner.
+        fp8: the cache and queries are fp8 e4m3 (``flash_mla_with_kvcache_fp8``).
+        kv_lora_rank: Dv, the value (latent) width; the rest of D is rope.
+        planned_forward_id: the ``DCPDecodeMetadata.forward_id`` planned.
+        planner: the planner whose persistent buffers the plan reads.
+    """
+
+    num_reqs: int
+    query_len: int
+    causal: bool
+    block_table: torch.Tensor
+    prefix_lens: torch.Tensor
+    kernel_lens: torch.Tensor
+    rows: FlatDecode
+    row_prefix_lens: torch.Tensor
+    sched_meta: Any
+    fp8: bool
+    kv_lora_rank: int
+    planned_forward_id: int
+    planner: "FlashMLARowPlanner"
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_reqs * self.query_len
+
+    @property
+    def is_current(self) -> bool:
+        """Whether no later plan has rewritten the buffers it reads."""
+        return self.planner.planned_forward_id == self.planned_forward_id
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, *, sm_scale: float,
+            q_scale: torch.Tensor | None = None,
+            k_scale: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's decode of the planned rows (no host sync).
+
+        Args:
+            q: [T, H, D] queries (bf16/fp16, or fp8 e4m3 with ``fp8``).
+            kv_cache: [P, 64, D] this rank's paged latent cache, same dtype
+                family as q.
+            sm_scale: the layer's softmax scale.
+            q_scale, k_scale: float32 [1] descales of the fp8 q and cache
+                (the layer's ``_q_scale`` / ``_k_scale``); None for bf16.
+
+        Returns:
+            ``(out [T, H, Dv] bf16/fp16, lse [T, H] float32 natural log)``;
+            causal rows are complete (tails merged); rows with no local key
+            are left to the caller's mask in a DSpark block.
+        """
+        num_rows, num_heads = q.shape[0], q.shape[1]
+        if num_rows != self.num_rows:
+            raise ValueError(
+                f"FLASHMLA under DCP planned {self.num_rows} rows "
+                f"({self.num_reqs} requests x {self.query_len}), the layer "
+                f"runs {num_rows}")
+        ops = _flashmla_ops()
+        q_tiles = q.view(self.num_reqs, self.query_len, num_heads, q.shape[-1])
+        cache = kv_cache.unsqueeze(-2)  # FlashMLA's one KV head
+        head_dim_v = self.kv_lora_rank
+        if self.fp8:
+            tile_metadata, num_splits = self.sched_meta
+            out, lse = ops.flash_mla_with_kvcache_fp8(
+                q=q_tiles, k_cache=cache, block_table=self.block_table,
+                cache_seqlens=self.kernel_lens, head_dim_v=head_dim_v,
+                tile_scheduler_metadata=tile_metadata, num_splits=num_splits,
+                softmax_scale=sm_scale, causal=False,
+                descale_q=q_scale.reshape(1), descale_k=k_scale.reshape(1))
+        else:
+            out, lse = ops.flash_mla_with_kvcache(
+                q=q_tiles, k_cache=cache, block_table=self.block_table,
+                cache_seqlens=self.prefix_lens, head_dim_v=head_dim_v,
+                tile_scheduler_metadata=self.sched_meta, softmax_scale=sm_scale,
+                causal=False)
+        out = out.view(num_rows, num_heads, head_dim_v)
+        # [R, H, s] -> [T, H], the layout of vLLM's combine and the tails.
+        lse = lse.transpose(1, 2).reshape(num_rows, num_heads)
+        if self.causal and self.query_len > 1:
+            tail_merge(q, kv_cache, self.rows.block_table[:num_rows],
+                       self.rows.seq_lens[:num_rows],
+                       self.row_prefix_lens[:num_rows], out, lse,
+                       sm_scale=sm_scale, lse_in_base2=False,
+                       q_scale=q_scale if self.fp8 else None,
+                       k_scale=k_scale if self.fp8 else None,
+                       keys_per_step=16)
+        return out, lse
+
+
+class FlashMLARowPlanner:
+    """Plans a KV-cache group's FlashMLA rows once per forward, on the device.
+
+    Owned by the metadata builder; its buffers are sized once, before any
+    CUDA graph is captured, and every plan writes into them.
+
+    Args:
+        max_reqs: most decode requests of one forward (padding included).
+        max_rows: most decode query rows of one forward.
+        num_heads: H, query heads a rank attends (after DCP's query gather).
+        kv_lora_rank: Dv, the latent (value) width (512 for FlashMLA).
+        fp8: the group's cache is fp8 (the planner makes the fp8 kernel's
+            scheduler metadata).
+        num_sms: the GPU's SM count (bounds FlashMLA's SM partitions).
+        device: the group's device.
+    """
+
+    def __init__(self, *, max_reqs: int, max_rows: int, num_heads: int,
+                 kv_lora_rank: int, fp8: bool, num_sms: int,
+                 device: torch.device) -> None:
+        i32 = dict(dtype=torch.int32, device=device)
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.planned_forward_id = 0  # of the last plan
+        self.fp8 = fp8
+        self._prefix_lens = torch.zeros(max_reqs, **i32)
+        self._kernel_lens = torch.zeros(max_reqs, **i32)
+        self._row_prefix_lens = torch.zeros(max_rows, **i32)
+        self._tile_metadata = torch.zeros(num_sms, TILE_METADATA_WIDTH, **i32)
+        self._num_splits = torch.zeros(max_reqs + 1, **i32)
+
+    def plan(self, rows: FlatDecode, block_table: torch.Tensor, *, num_reqs: int,
+             num_rows: int, causal: bool, forward_id: int) -> FlashMLARowPlan:
+        """This forward's plan.
+
+        Args:
+            rows: the forward's rows (``seq_lens`` [>= T] on the device: each
+                query token's local bound, 0 on padding rows).
+            block_table: int32 [R, B] local block table of the requests.
+            num_reqs: R; num_rows: T, a multiple of R (uniform requests).
+            causal: verify (tails) or a DSpark block.
+            forward_id: the metadata's ``forward_id``.
+        """
+        if num_reqs < 1 or num_rows % num_reqs:
+            raise ValueError(
+                f"FLASHMLA decodes uniform requests: {num_rows} query rows do "
+                f"not split evenly over {num_reqs} requests")
+        if num_reqs > self._prefix_lens.shape[0] or num_rows > self._row_prefix_lens.shape[0]:
+            raise ValueError(
+                f"FLASHMLA under DCP: {num_reqs} requests / {num_rows} rows exceed "
+                f"the buffers sized at start-up ({self._prefix_lens.shape[0]} / "
+                f"{self._row_prefix_lens.shape[0]}): raise --max-num-seqs")
+        query_len = num_rows // num_reqs
+        self.planned_forward_id = forward_id
+        prefix = self._prefix_lens[:num_reqs]
+        # The first token's bound is the least of the request's tokens'.
+        prefix.copy_(rows.seq_lens[:num_rows].view(num_reqs, query_len)[:, 0])
+        row_prefix = self._row_prefix_lens[:num_rows]
+        row_prefix.view(num_reqs, query_len).copy_(prefix[:, None].expand(-1, query_len))
+        ops = _flashmla_ops()
+        kernel_lens = prefix
+        if self.fp8:
+            kernel_lens = self._kernel_lens[:num_reqs]
+            torch.clamp(prefix, min=1, out=kernel_lens)
+            tile_metadata, num_splits = ops.get_mla_metadata_dense_fp8(
+                kernel_lens, query_len * self.num_heads, 1)
+            parts = tile_metadata.shape[0]
+            if parts > self._tile_metadata.shape[0]:
+                raise RuntimeError(f"FlashMLA made {parts} SM partitions, more "
+                                   f"than the GPU's {self._tile_metadata.shape[0]} SMs")
+            self._tile_metadata[:parts].copy_(tile_metadata)
+            self._num_splits[:num_reqs + 1].copy_(num_splits)
+            sched_meta = (self._tile_metadata[:parts], self._num_splits[:num_reqs + 1])
+        else:
+            sched_meta = ops.get_mla_metadata()[0]
+        return FlashMLARowPlan(
+            num_reqs=num_reqs, query_len=query_len, causal=causal,
+            block_table=block_table, prefix_lens=prefix, kernel_lens=kernel_lens,
+            rows=rows,
+            row_prefix_lens=row_prefix, sched_meta=sched_meta, fp8=self.fp8,
+            kv_lora_rank=self.kv_lora_rank, planned_forward_id=forward_id,
+            planner=self)
