@@ -55,16 +55,16 @@ def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
         # operator on a CPU with AMX tiles passes), and picks by itself else.
         target = vllm_config.attention_config.backend
         chosen = [_BackendChoice(_cpu_mla_backend(vllm_config, target),
-                                 _CPU_FLAG if target is not None else _CPU_VLLM)]
+                                 _TARGET_FLAG if target is not None else _CPU_VLLM)]
         if spec is not None and spec.method == "dspark":
             # vLLM gives a DSpark draft's layers the speculative config's
             # attention_backend, not the target's (but for DeepSeek-V4 drafts:
             # _resolve_dspark_attention_backend).
-            draft, flag = spec.attention_backend, _CPU_DRAFT_FLAG
+            draft, flag = spec.attention_backend, _DRAFT_FLAG
             draft_hf = getattr(spec.draft_model_config, "hf_config", None)
             if draft is None and getattr(draft_hf, "model_type", None) in (
                     "deepseek_v4", "deepseek_v41"):
-                draft, flag = target, _CPU_FLAG
+                draft, flag = target, _TARGET_FLAG
             chosen.append(_BackendChoice(
                 _cpu_mla_backend(vllm_config, draft),
                 flag if draft is not None else _CPU_VLLM, draft=True))
@@ -75,21 +75,21 @@ def _chosen_backends(vllm_config, platform) -> list[_BackendChoice]:
         # backend is the draft's attention_backend.
         backend = vllm_config.attention_config.backend
         if backend is not None and backend.name in checks.NAMED_CUDA_BACKENDS:
-            return [_BackendChoice(backend.name, _CPU_DRAFT_FLAG, True)]
+            return [_BackendChoice(backend.name, _DRAFT_FLAG, True)]
         return []
     chosen = []
     for backend, flag, draft in (
-            (vllm_config.attention_config.backend, "--attention-backend", False),
-            (spec.attention_backend if spec is not None else None,
-             "attention_backend in --speculative-config", True)):
+            (vllm_config.attention_config.backend, _TARGET_FLAG, False),
+            (spec.attention_backend if spec is not None else None, _DRAFT_FLAG,
+             True)):
         if backend is not None and backend.name in checks.NAMED_CUDA_BACKENDS:
             chosen.append(_BackendChoice(backend.name, flag, draft))
     return chosen
 
 
 _CPU_VLLM = "vLLM on this CPU"
-_CPU_FLAG = "--attention-backend"
-_CPU_DRAFT_FLAG = "attention_backend in --speculative-config"
+_TARGET_FLAG = "--attention-backend"
+_DRAFT_FLAG = "attention_backend in --speculative-config"
 
 
 def _cpu_mla_backend(vllm_config, backend) -> str:
