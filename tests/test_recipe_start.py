@@ -193,7 +193,7 @@ def test_launcher_recipe_starts(tmp_path, major, kv, interleave, draft_backend):
 
 def _spec(**fields) -> str:
     return json.dumps({"method": "dspark", "model": "draft",
-                       "num_speculative_tokens": 4, **fields})
+                       "num_speculative_tokens": 4} | fields)
 
 
 # (id, GPU major, flags, None if it starts, else the flag the refusal names)
@@ -221,6 +221,16 @@ AGREEMENT_CASES = [
     ("sm90-fp8-flash-attn-named", 9,
      "-tp 8 -dcp 8 --kv-cache-dtype fp8 --attention-backend FLASH_ATTN_MLA "
      f"--speculative-config '{_spec()}'", "--kv-cache-dtype"),
+    # Tokenspeed decodes at most 8 query tokens: the draft's block of 8 fits,
+    # also where vLLM's DSpark loader rebuilds the draft's config in a worker
+    # (the start-up checks run on it again, as the draft's).
+    ("sm100-tokenspeed-draft-block-8", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     "--speculative-config "
+     f"'{_spec(num_speculative_tokens=8, attention_backend='TOKENSPEED_MLA')}'",
+     None),
+    ("sm100-tokenspeed-target-verify-9", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     "--attention-backend TOKENSPEED_MLA --speculative-config "
+     f"'{_spec(num_speculative_tokens=8)}'", "num_speculative_tokens"),
     ("sm100-tokenspeed-block-16", 10,
      "-tp 8 -dcp 8 --kv-cache-dtype fp8 --block-size 16 "
      f"--speculative-config '{_spec(attention_backend='TOKENSPEED_MLA')}'",
