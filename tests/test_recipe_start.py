@@ -55,7 +55,10 @@ def assert_settings_read_the_layers(start: rs.RecipeStart) -> None:
 
     for draft in (False, True):
         _, layer_dtype = start.role(draft)
-        assert model_kv_cache_dtype(start.vllm_config, draft) == layer_dtype, draft
+        setting_dtype = model_kv_cache_dtype(start.vllm_config, draft)
+        assert setting_dtype == layer_dtype, (
+            f"{'draft' if draft else 'target'}: the settings read {setting_dtype}, "
+            f"vLLM built the layers with {layer_dtype}")
 
 
 def assert_upstream_at_dcp1(argv, major: int, root: Path, **kwargs) -> None:
@@ -207,6 +210,11 @@ AGREEMENT_CASES = [
      "-tp 8 -dcp 8 --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 61 "
      f"--speculative-config '{_spec(attention_backend='FLASHINFER_MLA')}'",
      '"kv_cache_dtype": "auto"'),
+    # ... while vLLM's choice for them, FLASHMLA, reads fp8: it starts, the
+    # settings reading fp8 for the draft's layers, as vLLM built them.
+    ("sm90-fp8-skip-list-ignored", 9,
+     "-tp 8 -dcp 8 --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 61 "
+     f"--speculative-config '{_spec()}'", None),
     # vLLM's per-draft KV dtype.
     ("sm90-fp8-draft-bf16", 9,
      "-tp 8 -dcp 8 --kv-cache-dtype fp8 --block-size 64 --speculative-config "
