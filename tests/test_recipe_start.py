@@ -6,9 +6,9 @@ every command the launcher (``tools/serve_dcp_dspark.py``) generates for
 sm90 bf16, sm90 fp8 and sm100 fp8, at ``-dcp 8`` and ``-dcp 1``, the draft's
 backend named and not, interleave 1 and 16: vLLM's config from the exact
 flags, the plugin's start-up checks, vLLM's model classes for a tiny Kimi-K3
-target and its K3 DSpark draft (each layer selecting its backend with its own
-KV dtype, the selector answering as sm90 / sm100), vLLM's KV-cache grouping
-and every group's metadata builder. At ``-dcp 8`` each layer runs the backend
+target (KDA and MLA layers) and its K3 DSpark draft (each layer selecting its
+backend with its own KV dtype, the selector answering as sm90 / sm100),
+vLLM's KV-cache grouping and every group's metadata builder. At ``-dcp 8`` each layer runs the backend
 and KV dtype expected (the README states them beside each recipe), and the
 plugin's settings read the KV dtype each layer was built with; at ``-dcp 1``
 everything is vLLM's own (the same start without the plugin). A config the
@@ -38,8 +38,11 @@ DTYPE_WORDS = {"bf16": ("auto", "bfloat16"), "fp8": ("fp8", "fp8_e4m3")}
 
 def assert_layers(start: rs.RecipeStart, target: tuple[str, str],
                   draft: tuple[str, str]) -> None:
-    """Every target layer runs ``target`` (backend, bf16 | fp8), every draft
-    layer ``draft``; the plugin's settings read the dtypes the layers hold."""
+    """Every target MLA layer runs ``target`` (backend, bf16 | fp8), every
+    draft layer ``draft``, the target's KDA layers their own group's builder;
+    the plugin's settings read the dtypes the layers hold."""
+    assert start.state_layers and all(
+        builder is not None for _, builder in start.state_layers.values())
     for role, (backend, word) in ((False, target), (True, draft)):
         got_backend, got_dtype = start.role(role)
         assert (got_backend, got_dtype in DTYPE_WORDS[word]) == (backend, True), (

@@ -11,14 +11,15 @@ with vLLM's own code:
    platform, as a GPU would build it), then the plugin's start-up checks,
    the platform answering as sm``major``0 (``check_as_gpu``);
 2. the worker's model load: vLLM's model classes for the target
-   (``KimiLinearForCausalLM``, the text model Kimi-K3 builds, its layers
-   Kimi-K3's ``MultiHeadLatentAttention``) and the draft (vLLM's
+   (``KimiLinearForCausalLM``, the text model Kimi-K3 builds: its KDA layers
+   and its MLA layers, Kimi-K3's ``MultiHeadLatentAttention``) and the draft (vLLM's
    ``load_dspark_model``, which derives the draft's config: its attention
    backend, KV dtype and non-causal attention), each layer selecting its
    backend with its own KV dtype through vLLM's selector as on sm``major``0
    (``cuda_selection.as_cuda_gpu``), the plugin's overrides registered;
 3. the platform's ``update_block_size_for_backend``, vLLM's KV-cache specs
-   (``get_kv_cache_spec``) and grouping (``get_kv_cache_groups``), and every
+   (``get_kv_cache_spec``), the engine core's KV-cache layout
+   (``resolve_kv_cache_layout``) and grouping (``get_kv_cache_groups``), and every
    group's metadata builders (``init_attn_backend``), on rank 0 of a faked
    DCP group.
 
@@ -59,8 +60,10 @@ TINY_DRAFT_LAYERS = 1
 def tiny_k3_configs(*, num_layers: int = TINY_TARGET_LAYERS,
                     num_draft_layers: int = TINY_DRAFT_LAYERS,
                     num_heads: int = 16) -> tuple[dict, dict]:
-    """config.json of a tiny Kimi-K3 text model (every layer MLA, NoPE, with
-    Kimi-K3's 512 + 64 latent and q-LoRA) and of a K3 DSpark draft for it.
+    """config.json of a tiny Kimi-K3 text model and of a K3 DSpark draft for
+    it. As Kimi-K3, a hybrid: Kimi Delta Attention (KDA, linear attention
+    with a recurrent state) layers and MLA layers (NoPE, Kimi-K3's 512 + 64
+    latent, q-LoRA); here layer 0 KDA, the others MLA.
 
     ``num_heads`` 16: 2 per rank at ``-tp 8``, as Kimi-K3's 96 are 12."""
     target = dict(
@@ -69,9 +72,11 @@ def tiny_k3_configs(*, num_layers: int = TINY_TARGET_LAYERS,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_heads, q_lora_rank=128, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        mla_use_nope=True, mla_use_output_gate=False, linear_attn_config=None,
-        # No KDA layers: vLLM then treats the model as attention-only.
-        layer_types=["full_attention"] * num_layers,
+        mla_use_nope=True, mla_use_output_gate=False,
+        linear_attn_config=dict(  # 1-based layer numbers
+            kda_layers=[1], full_attn_layers=list(range(2, num_layers + 1)),
+            num_heads=num_heads, head_dim=64, short_conv_kernel_size=4,
+            use_full_rank_gate=True),
         max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="silu",
         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
     draft = tiny_dspark_config(target, num_layers=num_draft_layers)
@@ -152,11 +157,12 @@ class LayerStart:
 
 @dataclass(frozen=True)
 class RecipeStart:
-    """What a started recipe runs: every layer, and the block size."""
+    """What a started recipe runs: every layer, and the block sizes."""
 
     block_size: int
-    kernel_block_sizes: tuple[int, ...]
-    layers: dict[str, LayerStart]
+    kernel_block_sizes: tuple[int, ...]  # per KV-cache group
+    layers: dict[str, LayerStart]  # the MLA layers
+    state_layers: dict[str, tuple]  # the others: (backend, builder class)
     vllm_config: object
 
     def role(self, draft: bool) -> tuple[str, str]:
@@ -267,6 +273,20 @@ def _startup_checks_on(platform_cls):
             platform_cls.check_and_update_config = saved
 
 
+def _resolve_kv_cache_layout(config, specs) -> None:
+    """The engine core's KV-cache layout, from what the worker's backends
+    support (``resolve_kv_cache_layout``; the worker records it)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import (
+        get_current_attn_backends,
+    )
+    from vllm.v1.attention.backends import utils
+
+    supported = [layout.name for layout in utils.get_supported_kv_cache_layouts(
+        get_current_attn_backends(config))]
+    layout = utils.resolve_kv_cache_layout(config, [supported], specs.values())
+    utils.record_kv_cache_layout(config.cache_config, layout.name)
+
+
 def _get_kv_cache_groups():
     try:
         from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # 0.32
@@ -281,6 +301,11 @@ def build_config(flags: dict, target: Path):
     named it."""
     from vllm.config.cache import CacheConfig
 
+    # vLLM's engine core turns prefix caching off for a model with non-causal
+    # attention layers (a DSpark draft's) before it plans the KV cache; the
+    # CPU platform's hook already does at config time, where vLLM's hybrid
+    # (KDA) config check then wants it off from the flags.
+    flags.setdefault("enable_prefix_caching", False)
     config = gpu_engine_config(target, tp=flags.pop("tensor_parallel_size", 1),
                                dcp=flags.pop("decode_context_parallel_size", 1),
                                **flags)
@@ -319,6 +344,7 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
         cuda_platform.update_block_size_for_backend(config)
         with set_current_vllm_config(config):
             specs = get_kv_cache_spec(config)
+            _resolve_kv_cache_layout(config, specs)
             groups = _get_kv_cache_groups()(config, specs)
             kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                                             kv_cache_groups=groups)
@@ -328,14 +354,20 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
     builders = {name: type(group.metadata_builders[0])
                 for groups_ in attn_groups for group in groups_
                 for name in group.layer_names}
-    layers = {name: LayerStart(draft=index >= num_target_layers,
-                               backend=layer.get_attn_backend().get_name(),
-                               kv_cache_dtype=str(layer.kv_cache_dtype),
-                               builder=builders[name])
-              for index, (name, layer) in enumerate(context.items())}
+    layers, state_layers = {}, {}
+    for index, (name, layer) in enumerate(context.items()):
+        if not hasattr(layer, "kv_lora_rank"):  # Kimi-K3's KDA (linear) layers
+            state_layers[name] = (layer.get_attn_backend().get_name(),
+                                  builders.get(name))
+            continue
+        layers[name] = LayerStart(draft=index >= num_target_layers,
+                                  backend=layer.get_attn_backend().get_name(),
+                                  kv_cache_dtype=str(layer.kv_cache_dtype),
+                                  builder=builders[name])
     return RecipeStart(block_size=config.cache_config.block_size,
                        kernel_block_sizes=tuple(kernel_block_sizes),
-                       layers=layers, vllm_config=config)
+                       layers=layers, state_layers=state_layers,
+                       vllm_config=config)
 
 
 def recipe_config(argv, root: Path, *, dcp: int | None = None,
