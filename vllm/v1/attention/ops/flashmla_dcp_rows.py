@@ -73,7 +73,7 @@ class FlashMLARowPlan:
             no request has a key (a rank's share of a short CUDA-graph
             capture batch); the extra key's partial is never read, as
             ``row_prefix_lens`` stays exact (``tail_merge`` ignores a prefix
-            of 0, the empty-row mask drops a draft row with none).
+            of 0 and zeroes a row with no key).
         rows: the forward's rows (``seq_lens``, ``block_table`` [>= T]).
         row_prefix_lens: int32 [T] ``prefix_lens`` of each row's request.
         sched_meta: bf16: FlashMLA's ``FlashMLASchedMeta`` (filled by the
