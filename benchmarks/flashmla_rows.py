@@ -192,7 +192,8 @@ class Point:
                                          indptr, indices, self.local_lens.cpu()))
         q = (self.q.float() * Q_SCALE).bfloat16()
         cache = self.caches[0]
-        return lambda: wrapper.run(query=q, kv_cache=cache, return_lse=True)
+        return lambda: wrapper.run(query=q, kv_cache=cache, return_lse=True,
+                                   ckv_scale=K_SCALE, kpe_scale=K_SCALE)
 
 
 def _fi_fp8_plan_args(heads, scale, qo_indptr, kv_indptr, kv_indices, kv_lens):
@@ -228,7 +229,8 @@ def flashinfer_fp8_check(heads=96, batch=2, local=1024, q_len=4):
     wrapper = BatchMLAPagedAttentionWrapper(ws, backend="fa3")
     indptr, indices = paged_kv_csr(lens, table, PAGE)
     wrapper.plan(**_fi_fp8_plan_args(heads, scale, qsl, indptr, indices, lens))
-    out, lse = wrapper.run(query=q, kv_cache=cache, return_lse=True)
+    out, lse = wrapper.run(query=q, kv_cache=cache, return_lse=True, ckv_scale=1.0,
+                           kpe_scale=1.0)
     keys = cache[table.long()].float().view(batch, local, DV + DR)
     scores = torch.einsum("bthd,bkd->bthk", q.float().view(batch, q_len, heads, -1),
                           keys) * scale
@@ -332,6 +334,10 @@ def host_part(args):
                                                make_builder, make_mla_impl,
                                                make_vllm_config)
 
+    import os
+
+    # Long sequences on the tiny test model's config (4096 positions).
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     rows = []
     batch, q_len, heads = 64, args.q_len, args.heads[0]
     for backend, module, builder_name, impl_name in (

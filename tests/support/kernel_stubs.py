@@ -200,7 +200,8 @@ class FlashMLAReference:
       metadata int32 [n, 8], num_splits int32 [b + 1]), tagged with the
       lengths they were made for;
     - ``flash_mla_with_kvcache_fp8(q e4m3 [b, s, h, 576], k_cache e4m3, ...,
-      descale_q [1], descale_k [1])``: bf16 out; metadata of these lengths.
+      descale_q [1], descale_k [1])``: bf16 out; metadata of these lengths;
+      some request must have a key (the kernel faulted on the GPU else).
 
     Token ``i`` of ``s`` sees ``cache_seqlens[b]`` keys, or with ``causal``
     ``cache_seqlens[b] - (s - 1 - i)`` (aligned to the end). Returns out
@@ -256,6 +257,9 @@ class FlashMLAReference:
         assert made_for == [b, s * h, int(cache_seqlens.sum())], (
             "fp8 scheduler metadata made for other lengths", made_for)
         assert num_splits.shape == (b + 1,)
+        # Seen on the H100/H200: vLLM's fp8 kernel faults (illegal address)
+        # when no request has a key, e.g. a rank's share of a short batch.
+        assert int(cache_seqlens.max()) > 0, "fp8 FlashMLA with no key at all"
         return self._attend("fp8", q.float() * float(descale_q), k_cache.float()
                             * float(descale_k), block_table, cache_seqlens,
                             head_dim_v, softmax_scale, causal, torch.bfloat16)

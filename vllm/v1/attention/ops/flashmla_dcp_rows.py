@@ -15,8 +15,10 @@ equal in a non-causal DSpark block), so:
   row, read on the device);
 - a causal verify block's later tokens add their remaining local keys, at
   most ``s - 1`` of them, through ``mla_tail_merge.tail_merge``, which also
-  merges the two partials (natural-log LSE) and zeroes rows with no local
-  key. A draft block has no tail: every token's bound is the prefix.
+  merges the two partials, reads FlashMLA's LSE layout into vLLM's and
+  zeroes rows with no local key: one launch after FlashMLA's for every row.
+  A draft block has no tail (every token's bound is the prefix): the same
+  launch only finishes its rows.
 
 Everything is read from device tensors written once per forward into
 persistent buffers (``FlashMLARowPlanner``): no host data, nothing to go
@@ -71,7 +73,7 @@ class FlashMLARowPlan:
             no request has a key (a rank's share of a short CUDA-graph
             capture batch); the extra key's partial is never read, as
             ``row_prefix_lens`` stays exact (``tail_merge`` ignores a prefix
-            of 0, the empty-row mask drops a draft row with none).
+            of 0 and zeroes a row with no key).
         rows: the forward's rows (``seq_lens``, ``block_table`` [>= T]).
         row_prefix_lens: int32 [T] ``prefix_lens`` of each row's request.
         sched_meta: bf16: FlashMLA's ``FlashMLASchedMeta`` (filled by the
@@ -121,9 +123,8 @@ class FlashMLARowPlan:
                 (the layer's ``_q_scale`` / ``_k_scale``); None for bf16.
 
         Returns:
-            ``(out [T, H, Dv] bf16/fp16, lse [T, H] float32 natural log)``;
-            causal rows are complete (tails merged); rows with no local key
-            are left to the caller's mask in a DSpark block.
+            ``(out [T, H, Dv] bf16/fp16, lse [T, H] float32 natural log)``,
+            final: tails merged, rows with no local key out 0, LSE -inf.
         """
         num_rows, num_heads = q.shape[0], q.shape[1]
         if num_rows != self.num_rows:
@@ -150,17 +151,16 @@ class FlashMLARowPlan:
                 tile_scheduler_metadata=self.sched_meta, softmax_scale=sm_scale,
                 causal=False)
         out = out.view(num_rows, num_heads, head_dim_v)
-        # [R, H, s] -> [T, H], the layout of vLLM's combine and the tails.
-        lse = lse.transpose(1, 2).reshape(num_rows, num_heads)
-        if self.causal and self.query_len > 1:
-            tail_merge(q, kv_cache, self.rows.block_table[:num_rows],
-                       self.rows.seq_lens[:num_rows],
-                       self.row_prefix_lens[:num_rows], out, lse,
-                       sm_scale=sm_scale, lse_in_base2=False,
-                       q_scale=q_scale if self.fp8 else None,
-                       k_scale=k_scale if self.fp8 else None,
-                       keys_per_step=16)
-        return out, lse
+        # One launch finishes every row: the verify tails merged, the LSE
+        # read from FlashMLA's [R, H, s] into vLLM's [T, H], rows with no
+        # local key (padding included) out 0 and LSE -inf.
+        lse_rows = lse.new_empty(num_rows, num_heads)
+        tail_merge(q, kv_cache, self.rows.block_table[:num_rows],
+                   self.rows.seq_lens[:num_rows], self.row_prefix_lens[:num_rows],
+                   out, lse_rows, sm_scale=sm_scale, lse_in_base2=False, lse_in=lse,
+                   q_scale=q_scale if self.fp8 else None,
+                   k_scale=k_scale if self.fp8 else None, keys_per_step=16)
+        return out, lse_rows
 
 
 class FlashMLARowPlanner:

@@ -48,6 +48,7 @@ if triton is not None:
         bt_ptr, bt_stride,
         row_lens_ptr, prefix_lens_ptr,
         out_ptr, lse_ptr,
+        lse_in_ptr, lse_in_stride_req, lse_in_stride_h, lse_in_stride_tok, query_len,
         q_scale_ptr, k_scale_ptr,
         num_heads, page_size, sm_scale, lse_in_scale,
         DV: tl.constexpr, DR: tl.constexpr,
@@ -74,8 +75,10 @@ if triton is not None:
         o_ptrs = out_ptr + out_rows[:, None] * DV + dv[None, :]
         # Running softmax state, seeded with the prefix partial: max m, sum l
         # (relative to m), unnormalised output acc.
-        m = tl.load(lse_ptr + out_rows, mask=h_ok & has_prefix,
-                    other=float("-inf")) * lse_in_scale
+        # The prefix LSE of row t = request t // query_len, token t % query_len.
+        lse_in = (lse_in_ptr + (t // query_len).to(tl.int64) * lse_in_stride_req
+                  + (t % query_len) * lse_in_stride_tok + heads * lse_in_stride_h)
+        m = tl.load(lse_in, mask=h_ok & has_prefix, other=float("-inf")) * lse_in_scale
         l_sum = tl.where(has_prefix, 1.0, 0.0)
         acc = tl.load(o_ptrs, mask=(h_ok & has_prefix & has_tail)[:, None],
                       other=0.0).to(tl.float32)
@@ -138,6 +141,7 @@ def tail_merge(
     *,
     sm_scale: float,
     lse_in_base2: bool = True,
+    lse_in: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     keys_per_step: int = 16,
@@ -146,9 +150,9 @@ def tail_merge(
     """Finish prefix+tail decode of every row in place (one launch).
 
     Row ``t`` must attend to local keys ``[0, row_lens[t])``; ``out[t]`` /
-    ``lse[t]`` hold its attention over ``[0, prefix_lens[t])`` (read only
-    where ``prefix_lens[t] > 0``; ``lse`` in base 2 with ``lse_in_base2``, as
-    FlashInfer's MLA returns it).
+    ``lse[t]`` (or ``lse_in``) hold its attention over ``[0, prefix_lens[t])``
+    (read only where ``prefix_lens[t] > 0``; in base 2 with ``lse_in_base2``,
+    as FlashInfer's MLA returns it).
 
     Args:
         q: [T, H, Dv + Dr] queries. kv_cache: [P, page, Dv + Dr].
@@ -156,6 +160,9 @@ def tail_merge(
         row_lens, prefix_lens: int32 [T], on q's device.
         out: [T, H, Dv] contiguous; lse: float32 [T, H] contiguous; both are
             overwritten with the final output and natural-log LSE.
+        lse_in: float32 [R, H, s] prefix LSE in FlashMLA's layout (row ``t``
+            is token ``t % s`` of request ``t // s``), read instead of
+            ``lse``'s own values; None: ``lse`` holds it.
         q_scale, k_scale: float32 one-element tensors on q's device, both or
             neither: q and kv_cache hold fp8 values of ``value / scale``
             (the layer's ``_q_scale`` / ``_k_scale``; read on the device, so
@@ -172,13 +179,19 @@ def tail_merge(
     has_scales = q_scale is not None
     if has_scales != (k_scale is not None):
         raise ValueError("tail_merge takes q_scale and k_scale together")
+    if lse_in is None:  # [T, H] seen as T requests of one token
+        lse_in_args = (lse, lse.stride(0), lse.stride(1), 0, 1)
+    else:
+        assert lse_in.shape[0] * lse_in.shape[2] == num_tokens
+        lse_in_args = (lse_in, lse_in.stride(0), lse_in.stride(1), lse_in.stride(2),
+                       lse_in.shape[2])
     block_h = 16
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _tail_merge_kernel[grid](
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1),
         block_table, block_table.stride(0),
-        row_lens, prefix_lens, out, lse,
+        row_lens, prefix_lens, out, lse, *lse_in_args,
         q_scale if has_scales else lse, k_scale if has_scales else lse,
         num_heads, kv_cache.shape[1], sm_scale, LN2 if lse_in_base2 else 1.0,
         DV=dv, DR=width - dv, BLOCK_H=block_h, KEYS=keys_per_step,

@@ -13,9 +13,9 @@ as FlashMLA wants it, plus each verify token's few remaining local keys
 through the tail kernel; all from device data, so uniform decode batches
 replay in full CUDA graphs (upstream's ``UNIFORM_BATCH``).
 
-Rows where this rank holds no KV are masked (out 0, LSE -inf) and the layers'
-combines, routed once when the builder is made, skip their own per-layer
-mask (``dcp_epilogue``).
+Rows where this rank holds no KV are masked (out 0, LSE -inf) by the plan's
+own last launch, and the layers' combines, routed once when the builder is
+made, skip their own per-layer mask (``dcp_epilogue``).
 
 With DCP size 1 (or a cache every rank holds whole) the selection, builder
 and kernel calls are upstream's.
@@ -33,7 +33,6 @@ from vllm.utils.platform_utils import num_compute_units
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
-from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
@@ -172,7 +171,8 @@ class FlashMLADCPImpl(FlashMLAImpl):
         out, lse = plan.run(q, kv_c_and_k_pe_cache, sm_scale=self.scale,
                             q_scale=layer._q_scale if fp8 else None,
                             k_scale=layer._k_scale if fp8 else None)
-        return finish_rows_decode(self, out, lse, decode.flat)
+        # The plan's last launch already zeroed the rows with no local key.
+        return out, (lse if self.need_to_return_lse_for_decode else None)
 
 
 class FlashMLADCPBackend(FlashMLABackend):
