@@ -8,12 +8,14 @@ backend named and not, interleave 1 and 16: vLLM's config from the exact
 flags, the plugin's start-up checks, vLLM's model classes for a tiny Kimi-K3
 target (KDA and MLA layers) and its K3 DSpark draft (each layer selecting its
 backend with its own KV dtype, the selector answering as sm90 / sm100),
-vLLM's KV-cache grouping and every group's metadata builder. At ``-dcp 8`` each layer runs the backend
-and KV dtype expected (the README states them beside each recipe), and the
-plugin's settings read the KV dtype each layer was built with; at ``-dcp 1``
-everything is vLLM's own (the same start without the plugin). A config the
-start-up checks accept starts; one they refuse, naming a flag, would fail at
-model load.
+vLLM's KV-cache grouping and every group's metadata builder. At ``-dcp 8``
+each layer runs the backend and KV dtype expected (the README states them
+beside each recipe), and the plugin's settings read the KV dtype each layer
+was built with; at ``-dcp 1`` everything is vLLM's own (the same start
+without the plugin: where vLLM refuses a recipe's named backend at DCP 1,
+e.g. FLASHINFER_MLA for a Hopper draft, it refuses it with the plugin too).
+A config the start-up checks accept starts; one they refuse, naming a flag,
+would fail at model load.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def assert_upstream_at_dcp1(argv, major: int, root: Path, **kwargs) -> None:
     assert (ours.block_size, ours.kernel_block_sizes) == (
         theirs.block_size, theirs.kernel_block_sizes)
     assert ours.layers.keys() == theirs.layers.keys()
+    assert ours.state_layers == theirs.state_layers
     for name, layer in ours.layers.items():
         upstream = theirs.layers[name]
         assert (layer.draft, layer.backend, layer.kv_cache_dtype) == (
