@@ -29,14 +29,15 @@ from vllm.v1.attention.ops.dcp_decode import DCPLayout, FlatDecode
 
 
 class RowDecodePlan(Protocol):
-    """A kernel object planned by the metadata builder once per forward from
-    host data and run by every layer (``FlashInferSm90MLA``)."""
+    """A kernel object planned by the metadata builder once per forward and
+    run by every layer: sm90 FLASHINFER_MLA's ``FlashInferSm90MLA`` (planned
+    from host data), FLASHMLA's ``FlashMLARowPlan`` (planned on the device;
+    its ``run`` also takes the layer's softmax and fp8 scales)."""
 
-    sm_scale: float
     planned_forward_id: int  # the ``forward_id`` of its last plan
 
-    def run(self, q: torch.Tensor,
-            kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor,
+            **layer_args) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [T, H, Dv], lse [T, H] float32, natural log)`` of the
         planned rows for one layer."""
         ...
@@ -62,7 +63,7 @@ class DCPDecodeMetadata(MLACommonDecodeMetadata):
         layout: the DCP split the rows were built for, seen from this rank.
         forward_id: distinct for every ``build``.
         plan: the kernel object the builder planned for this forward, which
-            every layer only runs (sm90 FLASHINFER_MLA); None where the
+            every layer only runs (sm90 FLASHINFER_MLA, FLASHMLA); None where the
             layers call their kernel directly.
     """
 
