@@ -73,10 +73,15 @@ def as_cuda_gpu(major: int):
             "vllm.v1.attention.backends.mla.flashattn_mla")
         enter(mock.patch.object(flashattn_mla, "flash_attn_supports_mla",
                                 lambda: hopper))
-        enter(mock.patch(
-            "vllm.v1.attention.ops.flashmla.is_flashmla_dense_supported",
-            lambda: (True, None) if hopper else
-            (False, "FlashMLA Dense is only supported on Hopper devices.")))
+        flashmla_probe = (lambda: (True, None) if hopper else
+                          (False, "FlashMLA Dense is only supported on Hopper devices."))
+        # Where the selector reads it, and where FLASHMLA's impl bound it at
+        # import (patched here too, or the answer would depend on which test
+        # imported that module first).
+        importlib.import_module("vllm.v1.attention.backends.mla.flashmla")
+        for module in ("vllm.v1.attention.ops.flashmla",
+                       "vllm.v1.attention.backends.mla.flashmla"):
+            enter(mock.patch(f"{module}.is_flashmla_dense_supported", flashmla_probe))
         selector._cached_get_attn_backend.cache_clear()
         try:
             yield cuda_platform
