@@ -97,8 +97,7 @@ def gpu_major() -> int | None:
 HOPPER_FLASHINFER_BLOCK_SIZE = 64
 
 
-def hopper_bf16_draft(args: argparse.Namespace, extra: list[str],
-                      major: int | None) -> bool:
+def hopper_bf16_draft(args: argparse.Namespace, major: int | None) -> bool:
     """Whether the DSpark draft's layers keep a bf16 KV cache under an fp8
     target: on Hopper at ``--dcp`` > 1 when the draft runs FLASHINFER_MLA
     (``--draft-attention-backend``), which reads bf16 only there; vLLM's
@@ -586,7 +585,7 @@ def launch_command(args: argparse.Namespace, extra: list[str],
     """The ``vllm serve`` command the launcher runs for ``args`` (and the
     extra vLLM flags) on a GPU of compute capability ``major`` (None: none)."""
     attention_backend, draft_attention_backend = cpu_attention_backends(args)
-    bf16_draft = hopper_bf16_draft(args, extra, major)
+    bf16_draft = hopper_bf16_draft(args, major)
     if bf16_draft and _extra_flag(extra, "--block-size") is None:
         extra = ["--block-size", str(HOPPER_FLASHINFER_BLOCK_SIZE), *extra]
     return server_command(

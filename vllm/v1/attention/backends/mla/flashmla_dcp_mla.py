@@ -162,8 +162,9 @@ class FlashMLADCPImpl(FlashMLAImpl):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         plan = decode.plan
-        if not isinstance(plan, FlashMLARowPlan) or not plan.is_current or (
-                plan.planned_forward_id != decode.forward_id):
+        # The builder sets the plan with the metadata; a later build rewrites
+        # the buffers it reads (a stale forward).
+        if not isinstance(plan, FlashMLARowPlan) or not plan.is_current:
             raise RuntimeError(
                 "FLASHMLA under DCP: no plan for this forward; the metadata "
                 "builder plans once per forward before the layers run")
