@@ -89,6 +89,24 @@ def write_csv(path: str, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def run_parts(parts: dict, names: list[str], csv_path: str) -> list[dict]:
+    """Run the benchmark parts ``names`` (``parts[name]()`` returns CSV
+    rows) in order; a part that fails is reported and the others still run.
+    The rows so far are written to ``csv_path`` after each part."""
+    rows = []
+    for name in names:
+        try:
+            rows += parts[name]()
+        except Exception as error:  # noqa: BLE001 - the other parts still run
+            import traceback
+
+            traceback.print_exc()
+            print(f"part {name} failed: {type(error).__name__}: {error}")
+        if rows:
+            write_csv(csv_path, rows)
+    return rows
+
+
 def print_table(rows: list[dict], cols: list[str], fmt: dict | None = None) -> str:
     fmt = fmt or {}
     def cell(r, c):

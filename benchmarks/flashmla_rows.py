@@ -48,7 +48,7 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks._common import time_ms, write_csv
+from benchmarks._common import run_parts, time_ms
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from vllm.v1.attention.ops.triton_dcp_metadata import build_flat_decode_triton
 
@@ -244,9 +244,13 @@ def flashinfer_fp8_check(heads=96, batch=2, local=1024, q_len=4):
 def layer_part(args, gen):
     rows = []
     try:
+        if not args.baselines:
+            raise StopIteration
         out_err, lse_err = flashinfer_fp8_check()
         print(f"fi-fp8 check (96 heads, bf16 q, fp8 cache, vs float32): max out error "
               f"{out_err:.2e}, max lse error {lse_err:.2e}", flush=True)
+    except StopIteration:
+        pass
     except Exception as error:  # noqa: BLE001 - the finding is that it fails
         print(f"fi-fp8 check: FlashInfer's FA3 MLA takes no fp8 cache here: "
               f"{type(error).__name__}: {str(error)[:300]}", flush=True)
@@ -264,8 +268,9 @@ def layer_part(args, gen):
                                       WORLD, gen)
                         roof = roofline_us(batch, local, args.q_len, heads)
                         paths = {"dcp": point.dcp_fn, "alone": point.alone_fn}
-                        paths["fi-fp8" if fp8 else "fa3"] = (
-                            point.flashinfer_fp8_fn if fp8 else point.fa3_fn)
+                        if args.baselines:
+                            paths["fi-fp8" if fp8 else "fa3"] = (
+                                point.flashinfer_fp8_fn if fp8 else point.fa3_fn)
                         times = {}
                         for path, make in paths.items():
                             try:
@@ -296,7 +301,8 @@ def step_part(args, gen):
     rows = []
     for heads in args.heads[:1]:
         for fp8 in (False, True):
-            for batch, ctx in ((1, 262144), (64, 131072)):
+            for batch, ctx in [(b, c) for b, c in ((1, 262144), (64, 131072))
+                               if b in args.step_batch]:
                 result = {}
                 for world in (1, WORLD):
                     local = ctx // world
@@ -400,24 +406,19 @@ def main():
                     help="distinct caches a step cycles over, in GiB")
     ap.add_argument("--max-gib", type=float, default=40.0,
                     help="skip layer points whose bf16 cache exceeds this")
+    ap.add_argument("--no-baselines", dest="baselines", action="store_false",
+                    help="time only dcp and alone (no FA3 / FlashInfer fp8)")
+    ap.add_argument("--step-batch", type=int, nargs="+", default=[1, 64],
+                    help="the step part's batches (1: 1 x 256K, 64: 64 x 128K)")
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name(0)}: roofline at {hbm_tbs()} TB/s, "
           f"{BF16_TFLOPS} TFLOP/s bf16", flush=True)
     gen = torch.Generator("cuda").manual_seed(0)
-    rows = []
-    for part in args.parts:
-        try:
-            rows += {"layer": lambda: layer_part(args, gen),
-                     "step": lambda: step_part(args, gen),
-                     "host": lambda: host_part(args)}[part]()
-        except Exception as error:  # noqa: BLE001 - the other parts still run
-            import traceback
-
-            traceback.print_exc()
-            print(f"part {part} failed: {type(error).__name__}: {error}")
-        if rows:
-            write_csv(f"{args.out_dir}/flashmla_rows.csv", rows)
+    run_parts({"layer": lambda: layer_part(args, gen),
+               "step": lambda: step_part(args, gen),
+               "host": lambda: host_part(args)},
+              args.parts, f"{args.out_dir}/flashmla_rows.csv")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # from the carried bundle (gpu/README.md), then the named steps, each under a
 # timeout, output under $OUT.
 #
-#   bash gpu/device_run.sh [tests] [bench] [decode]      (repo root, on the
+#   bash gpu/device_run.sh [tests] [bench] [decode] [fmla] [k3prefill]  (repo root, on the
 #                                                         device; carry [".bundle"])
 #   tests   the CUDA tests: FLASHINFER_MLA (sm90) and TRITON_MLA through
 #           vLLM's classes (builders, forward_mqa, the selector, CUDA graphs
@@ -15,6 +15,10 @@
 #   fmla    benchmarks/flashmla_rows.py: FLASHMLA under DCP per layer (96 and
 #           128 heads, bf16 / fp8, vs FlashMLA alone, FA3, FlashInfer fp8),
 #           the 61-layer step at W 1 and 8, the builders' host work
+#   k3prefill benchmarks/k3_fp8_prefill.py: Kimi-K3's Hopper prefill over a
+#           plain fp8 cache (bf16 query) against the bf16 prefill, one layer,
+#           96 / 128 heads, 8K / 32K prompt tokens, checked against float32
+#           (torch only: runs without the bundle too)
 # TESTS_K (a pytest -k expression) narrows the tests step.
 set -u
 OUT=${OUT:-.out}; mkdir -p "$OUT"
@@ -36,6 +40,8 @@ for step in "${@:-tests}"; do
              | grep -v -i warn | tail -12 ;;
     fmla) timeout 420 python3 -m benchmarks.flashmla_rows --out-dir "$OUT" 2>&1 \
              | tee "$OUT/flashmla_rows.txt" | grep -v -i warn ;;
-    *) echo "unknown step $step (tests, bench, decode, fmla)"; exit 2 ;;
+    k3prefill) timeout 280 python3 -m benchmarks.k3_fp8_prefill 2>&1 \
+             | tee "$OUT/k3_fp8_prefill.txt" | grep -v -i warn ;;
+    *) echo "unknown step $step (tests, bench, decode, fmla, k3prefill)"; exit 2 ;;
   esac
 done

@@ -243,8 +243,6 @@ def test_forward_mqa_merges_to_full_attention(tmp_path, backend, world_size,
     layer's merged output equals full attention over its own inputs, and the
     rows are built once per forward (a per-layer rebuild or a layer reading
     the previous forward's metadata fails)."""
-    if shape == "ragged" and backend.name == "TOKENSPEED_MLA":
-        pytest.skip("Tokenspeed takes uniform query lengths (QueryLenSupport.UNIFORM)")
     seq_lens, query_lens = CASES[causal, shape]
     steps = [(seq_lens, query_lens, {}),
              (*next_step(seq_lens, query_lens), {})]

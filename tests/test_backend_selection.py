@@ -140,7 +140,8 @@ def test_sm90_draft_without_block_size_judged_at_its_block_size(tmp_path):
             assert isinstance(draft, ValueError)
             with pytest.raises(ValueError, match=f"--cp-kv-cache-interleave-size "
                                                  f"{interleave} must divide "
-                                                 f"--block-size {block}"):
+                                                 f"the KV-cache block size, "
+                                                 f"{block} here"):
                 check_as_gpu(config, 9)
         else:
             assert _selected(draft).get_name() == "FLASHINFER_MLA", interleave

@@ -142,12 +142,13 @@ GPU_CASES = [
     # FlashInfer pages by FI_BLOCK unless told: twice that cannot divide it ...
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=2 * FI_BLOCK),
      10, [f"--cp-kv-cache-interleave-size {2 * FI_BLOCK} must divide "
-          f"--block-size {FI_BLOCK}"]),
+          f"the KV-cache block size, {FI_BLOCK} here: pass --block-size a "
+          f"multiple of {2 * FI_BLOCK}"]),
     # ... FI_BLOCK does, whatever the config's block size says before that
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=FI_BLOCK), 10,
      None),
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=2 * FI_BLOCK),
-     9, [f"--block-size {FI_BLOCK}"]),
+     9, [f"block size, {FI_BLOCK} here: pass --block-size"]),
     (dict(attention_backend="TOKENSPEED_MLA", kv_cache_dtype="fp8",
           cp_kv_cache_interleave_size=16), 10, None),
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=16), 9,
@@ -176,7 +177,8 @@ def test_gpu_explicit_block_size_checked_for_any_backend(model_dir):
     config = gpu_engine_config(model_dir, cp_kv_cache_interleave_size=48,
                                block_size=64)
     with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 48 must "
-                                         "divide --block-size 64"):
+                                         "divide the KV-cache block size, 64 "
+                                         "here: pass --block-size a multiple of 48"):
         check_as_gpu(config, 10)
     config.parallel_config.cp_kv_cache_interleave_size = 32
     check_as_gpu(config, 10)
@@ -272,3 +274,41 @@ def test_cpu_dspark_draft_backend_checked(dspark_pair, monkeypatch, amx,
                     in str(error.value))
         else:
             dcp_startup_checks.check_vllm_config(config)
+
+
+@pytest.mark.parametrize("major", [9, 10])
+def test_draft_kv_dtype_without_block_size_refused_off_hybrid_models(dspark_pair,
+                                                                      major):
+    """A draft KV dtype of its own, no --block-size, a model vLLM does not
+    align (not hybrid): vLLM's DSpark loader rebuilds the draft's cache
+    config with the provisional block size as if given, where its selector
+    gives the draft TRITON_MLA although FLASHMLA / FLASHINFER_MLA serve it
+    at 64. Refused before load, naming --block-size 64; with it, or at
+    -dcp 1 (vLLM's own), accepted."""
+    from vllm.config.cache import CacheConfig
+
+    from tests.support.cuda_selection import plugin_registered, select_mla_backend
+
+    target, draft = dspark_pair
+    flags = dict(tp=8, kv_cache_dtype="fp8", max_model_len=2048,
+                 speculative_config=dspark(draft, 4, kv_cache_dtype="auto"))
+    config = gpu_engine_config(target, dcp=8, **flags)
+    assert not config.model_config.is_hybrid
+    # What a worker selects for the draft's layers in its rebuilt config.
+    provisional = CacheConfig.DEFAULT_BLOCK_SIZE
+    cache = config.cache_config
+    saved = cache.block_size, cache.user_specified_block_size
+    cache.block_size, cache.user_specified_block_size = provisional, True
+    with plugin_registered(True):
+        selected = select_mla_backend(config, major, non_causal=True)
+    cache.block_size, cache.user_specified_block_size = saved
+    if provisional % 64:  # vLLM 0.32's 16
+        assert selected.get_name() == "TRITON_MLA"
+        with pytest.raises(ValueError, match="silently run the draft on "
+                                             "TRITON_MLA. Pass --block-size 64"):
+            check_as_gpu(config, major)
+    else:  # vLLM 0.34's 64: the fast path, accepted
+        assert selected.get_name() != "TRITON_MLA"
+        check_as_gpu(config, major)
+    check_as_gpu(gpu_engine_config(target, dcp=8, block_size=64, **flags), major)
+    check_as_gpu(gpu_engine_config(target, dcp=1, **flags), major)

@@ -524,6 +524,44 @@ def test_triton_path_tail_merge_matches_reference(dtype, keys, stages):
     assert bool((got_out[row_lens == 0] == 0).all())
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_path_tail_merge_without_tails(dtype):
+    """A DSpark block's launch (``has_tails=False``, no tail code): rows with
+    their prefix as bound come out as the tail launch leaves them (out kept
+    bitwise, LSE read from FlashMLA's [R, H, s] layout), empty rows 0 / -inf
+    whatever the kernel left there, and a row with a tail or a bound below its
+    prefix NaN (loud, never silently short)."""
+    from vllm.v1.attention.ops.mla_tail_merge import tail_merge
+
+    gen = torch.Generator().manual_seed(7)
+    reqs, s, heads, page = 3, 4, 20, 4
+    tokens = reqs * s
+    cache = torch.randn(30, page, 576, generator=gen).to(dtype)
+    table = torch.randint(1, 30, (tokens, 6), generator=gen).int()
+    prefix = torch.tensor([9, 9, 9, 9, 0, 0, 0, 0, 5, 5, 5, 5]).int()
+    row_lens = prefix.clone()
+    row_lens[9], row_lens[10] = 7, 3  # a tail, a bound below the prefix
+    q = torch.randn(tokens, heads, 576, generator=gen).to(dtype)
+    out_in = torch.randn(tokens, heads, 512, generator=gen).to(dtype)
+    lse_in = torch.randn(reqs, heads, s, generator=gen) * 4  # FlashMLA's layout
+    lse_in[1] = float("inf")  # what FlashMLA leaves on a request with no key
+    base = [x.to(DEVICE) for x in (q, cache, table, row_lens, prefix)]
+    with_tails = (out_in.clone().to(DEVICE), torch.empty(tokens, heads, device=DEVICE))
+    no_tails = (out_in.clone().to(DEVICE), torch.empty(tokens, heads, device=DEVICE))
+    for (out, lse), has_tails in ((with_tails, True), (no_tails, False)):
+        tail_merge(*base, out, lse, sm_scale=0.05, lse_in_base2=False,
+                   lse_in=lse_in.to(DEVICE), has_tails=has_tails)
+    got_out, got_lse = no_tails[0].cpu(), no_tails[1].cpu()
+    plain = torch.tensor([r < 4 or r in (8, 11) for r in range(tokens)])
+    plain[4:8] = False
+    assert torch.equal(got_out[plain], with_tails[0].cpu()[plain])
+    assert torch.equal(got_lse[plain], with_tails[1].cpu()[plain])
+    assert torch.equal(got_lse[plain], lse_in.transpose(1, 2).reshape(tokens, heads)[plain])
+    assert bool((got_out[4:8] == 0).all()) and bool((got_lse[4:8] == float("-inf")).all())
+    assert bool(torch.isnan(got_out[9:11].float()).all() and torch.isnan(got_lse[9:11]).all())
+
+
 @runs_where_triton_cannot
 def test_interpreter_runs_triton_path_tests():
     """Every CI run: the triton_path tests under Triton's interpreter."""

@@ -42,7 +42,7 @@ TARGET_LAYERS = TINY_MLA_CONFIG["num_hidden_layers"]
 FP8 = torch.float8_e4m3fn
 Q_SCALE, K_SCALE = 0.05, 0.1
 
-CASES = {  # (seq_lens, query_lens): uniform requests, as FlashMLA decodes them
+CASES = {  # (seq_lens, query_lens); the rows are padded to R x max(query_lens)
     # Short requests whose first tokens have no local key on some ranks.
     "uniform": ([37, 4, 300, 18, 130], [4, 4, 4, 4, 4]),
     # A CUDA graph's padded batch: trailing zero-length requests, the rows
@@ -50,6 +50,13 @@ CASES = {  # (seq_lens, query_lens): uniform requests, as FlashMLA decodes them
     "padded": ([37, 4, 300, 0, 0], [4, 4, 4, 0, 0]),
     # Interleave 64 at W 8: every request shorter than W x I.
     "short": ([70, 5, 200, 64, 129], [4, 4, 4, 4, 4]),
+}
+# Verify blocks as vLLM's scheduler cuts them (token budget, max_model_len):
+# ragged, never padded (vLLM's graphs capture uniform batches only).
+RAGGED = {
+    "cut_last": ([37, 300, 130], [1 + NUM_SPEC, 1 + NUM_SPEC, 2]),
+    "one_and_full": ([70, 9], [1, 1 + NUM_SPEC]),
+    "cut_first": ([129, 4, 66, 200], [2, 1 + NUM_SPEC, 1, 3]),
 }
 
 
@@ -93,13 +100,14 @@ def _stored(values, fp8, scale):
 
 
 def _run_ranks(flashmla, tmp_path, *, world, interleave, causal, shape, fp8,
-               seed=0, kept=None):
+               seed=0, kept=None, host_slack=0):
     """Every rank: the real builder (kept across calls in ``kept``) + every
     layer's ``forward_mqa``; returns the merged (out, lse) of the real rows
-    and the dense reference."""
+    and the dense reference over exactly the device lengths' keys. The host
+    upper bounds of the lengths lie ``host_slack`` above them."""
     from vllm.config import set_current_vllm_config
 
-    seq_lens, query_lens = CASES[shape]
+    seq_lens, query_lens = CASES[shape] if shape in CASES else RAGGED[shape]
     batch = random_decode_batch(seq_lens, query_lens, block_size=BLOCK_SIZE,
                                 num_heads=NUM_HEADS, seed=seed)
     batch.q = _rounded(batch.q, fp8, Q_SCALE)
@@ -120,7 +128,7 @@ def _run_ranks(flashmla, tmp_path, *, world, interleave, causal, shape, fp8,
                    for i in range(NUM_LAYERS)]
     layer = _layer(fp8)
     real = int(batch.query_start_loc[-1])
-    num_rows = len(query_lens) * max(query_lens)  # padding included
+    num_rows = len(query_lens) * max(query_lens) if shape in CASES else real
     q_rows = torch.cat([batch.q, torch.randn(num_rows - real, *batch.q.shape[1:])])
 
     def decode_rank(layout, cache, table):
@@ -135,10 +143,12 @@ def _run_ranks(flashmla, tmp_path, *, world, interleave, causal, shape, fp8,
                                  scale=batch.scale,
                                  kv_cache_dtype="fp8" if fp8 else "auto")
             common = common_metadata(seq_lens, query_lens, table, world_size=world,
-                                     rank=rank, interleave=interleave, causal=causal)
+                                     rank=rank, interleave=interleave, causal=causal,
+                                     host_slack=host_slack)
             common.num_actual_tokens = num_rows
             metadata = builder.build(0, common)
-            assert metadata.num_decodes == len(seq_lens), "every request decodes"
+            assert (metadata.num_decodes, metadata.num_prefills) == (len(seq_lens), 0), (
+                "every speculative block decodes on the rows")
             q = _stored(q_rows, fp8, Q_SCALE)
             results = [impl.forward_mqa(q, _stored(cache, fp8, K_SCALE), metadata, layer)
                        for _ in layer_names]
@@ -174,12 +184,59 @@ def test_triton_path_ranks_merge_to_full_attention(flashmla, tmp_path, world,
 
 
 @needs_triton
+@pytest.mark.parametrize("world,interleave", [(2, 1), (4, 16), (8, 64), (8, 1)])
+@pytest.mark.parametrize("shape", list(RAGGED))
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_triton_path_cut_verify_blocks_merge_to_full_attention(
+        flashmla, tmp_path, world, interleave, shape, fp8):
+    """Verify blocks cut short by the token budget decode on the rows, each
+    request tiled to the batch's longest block, over exactly its device
+    length's keys; the host's upper bounds lie k or 2k above (async
+    scheduling). Upstream's UNIFORM routing sent the short blocks to the
+    prefill path, which reads the host bound's keys."""
+    # The rows read device lengths only; the routing under both host slacks
+    # is test_cut_verify_routing's.
+    slack = NUM_SPEC if interleave < 16 else 2 * NUM_SPEC
+    out, lse, ref_out, ref_lse = _run_ranks(
+        flashmla, tmp_path, world=world, interleave=interleave, causal=True,
+        shape=shape, fp8=fp8, seed=world + slack, host_slack=slack)
+    tiles = {call["shape"][:2] for _, call in flashmla.kernel.calls}
+    assert tiles == {(len(RAGGED[shape][1]), 1 + NUM_SPEC)}, tiles
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("world,interleave,seq_len,causal,pieces", [
+    (2, 1, 700, True, 4), (2, 1, 700, False, 4), (8, 64, 70, True, 2),
+    (8, 1, 700, False, 3)])
+def test_triton_path_lone_request_pieces_merge_to_full_attention(
+        flashmla, tmp_path, monkeypatch, world, interleave, seq_len, causal, pieces):
+    """A lone bf16 request per rank: FlashMLA attends its prefix as N pieces
+    (``flashmla_pieces``, N chosen from the GPU's SM count: forced here, the
+    CPU builder reports one SM), some of them empty on some ranks; the
+    finishing launch merges them with the tails to full attention."""
+    from vllm.v1.attention.ops import flashmla_dcp_rows
+
+    monkeypatch.setattr(flashmla_dcp_rows, "pieces_for",
+                        lambda *, num_reqs, fp8, **_: 1 if fp8 or num_reqs > 1 else pieces)
+    monkeypatch.setitem(CASES, "lone", ([seq_len], [NUM_SPEC + 1]))
+    out, lse, ref_out, ref_lse = _run_ranks(
+        flashmla, tmp_path, world=world, interleave=interleave, causal=causal,
+        shape="lone", fp8=False, seed=world + pieces)
+    assert {call["shape"][0] for _, call in flashmla.kernel.calls} == {pieces}
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
 def test_triton_path_builder_kept_across_forwards(flashmla, tmp_path):
     """The real builders kept as vLLM keeps them: every forward makes a new
     FlashMLA scheduler object (the stand-in refuses one reused over new
     lengths) and merges to full attention."""
     kept = {}
-    for shape, seed in (("uniform", 0), ("short", 1), ("padded", 2)):
+    for shape, seed in (("uniform", 0), ("cut_last", 3), ("short", 1), ("padded", 2),
+                        ("cut_first", 4)):
         out, lse, ref_out, ref_lse = _run_ranks(
             flashmla, tmp_path, world=2, interleave=1, causal=True, shape=shape,
             fp8=False, seed=seed, kept=kept)
@@ -216,15 +273,16 @@ def test_layer_refuses_a_forward_the_builder_did_not_plan(flashmla, tmp_path):
                              _layer(False))
 
 
-def test_uneven_rows_are_refused(flashmla, tmp_path):
-    """FlashMLA tiles requests of one query length; rows that do not split
-    evenly (a ragged device batch) are an error, not a wrong tiling."""
+def test_rows_beyond_the_requests_are_refused(flashmla, tmp_path):
+    """More rows than the requests' tiles hold is an error, not a tiling."""
     with _rank0_of_2(flashmla, tmp_path) as (_, builder, _, _, common):
         metadata = builder.build(0, common)
         planner = builder._flashmla_rows
-        with pytest.raises(ValueError, match="do not split evenly"):
+        with pytest.raises(ValueError, match="do not fit 5 requests of at most 4"):
             planner.plan(metadata.decode.flat, common.block_table_tensor,
-                         num_reqs=5, num_rows=19, causal=True, forward_id=9)
+                         query_start_loc=common.query_start_loc,
+                         query_start_loc_cpu=common.query_start_loc_cpu,
+                         num_rows=21, causal=True, forward_id=9)
 
 
 def test_dcp_decodes_speculative_blocks_only(flashmla, tmp_path):

@@ -16,6 +16,14 @@ without the plugin: where vLLM refuses a recipe's named backend at DCP 1,
 e.g. FLASHINFER_MLA for a Hopper draft, it refuses it with the plugin too).
 A config the start-up checks accept starts; one they refuse, naming a flag,
 would fail at model load.
+
+At Kimi-K3's shape (``rs.K3_LIKE``: ``KimiK3ForConditionalGeneration`` with
+its vision tower, 12 target layers KDA and MLA 3:1, a two-layer draft),
+where vLLM's hybrid grouping puts target and draft MLA layers in one
+KV-cache group: user variants (interleave 1/16/64, with and without
+``--block-size``, a draft ``kv_cache_dtype``, k 3/4/7/8, a backend named or
+not, sm90 and sm100) start on the fast path, and every layer's forwards are
+built with its own model's setting.
 """
 
 from __future__ import annotations
@@ -205,6 +213,10 @@ def _spec(**fields) -> str:
                        "num_speculative_tokens": 4} | fields)
 
 
+# Kimi-K3's prefill over an fp8 cache on sm100 (k3_fp8_prefill; the forward's
+# agreement with that check is tests/test_recipe_forward.py's).
+SM100_PREFILL = serve.SM100_FP8_PREFILL_ATTENTION_CONFIG
+
 # (id, GPU major, flags, None if it starts, else the flag the refusal names)
 AGREEMENT_CASES = [
     # The target's FLASHMLA (vLLM's Hopper choice for fp8) under DSpark x DCP.
@@ -239,27 +251,50 @@ AGREEMENT_CASES = [
     # also where vLLM's DSpark loader rebuilds the draft's config in a worker
     # (the start-up checks run on it again, as the draft's).
     ("sm100-tokenspeed-draft-block-8", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
-     "--speculative-config "
+     f"--attention-config '{SM100_PREFILL}' --speculative-config "
      f"'{_spec(num_speculative_tokens=8, attention_backend='TOKENSPEED_MLA')}'",
      None),
     ("sm100-tokenspeed-target-verify-9", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' "
      "--attention-backend TOKENSPEED_MLA --speculative-config "
      f"'{_spec(num_speculative_tokens=8)}'", "num_speculative_tokens"),
+    # ... also where the draft's layers run Tokenspeed too: at Kimi-K3's
+    # shape both models' layers share one builder, which must judge the
+    # target's verify of 9, not the draft's block of 8.
+    ("sm100-tokenspeed-both-verify-9", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' "
+     "--attention-backend TOKENSPEED_MLA --speculative-config "
+     f"'{_spec(num_speculative_tokens=8, attention_backend='TOKENSPEED_MLA')}'",
+     "num_speculative_tokens"),
+    # Kimi-K3 is hybrid: vLLM aligns its block size to a multiple of 128
+    # whatever --block-size says, and Tokenspeed pages that by 64.
     ("sm100-tokenspeed-block-16", 10,
      "-tp 8 -dcp 8 --kv-cache-dtype fp8 --block-size 16 "
+     f"--attention-config '{SM100_PREFILL}' "
      f"--speculative-config '{_spec(attention_backend='TOKENSPEED_MLA')}'",
-     "--block-size"),
+     None),
 ]
 
 
-@pytest.mark.parametrize("case", AGREEMENT_CASES, ids=[c[0] for c in AGREEMENT_CASES])
-def test_start_up_checks_agree_with_model_load(tmp_path, case):
+# Also at Kimi-K3's shape, where target and draft MLA layers share a
+# KV-cache group (and, with one backend, a builder).
+K3_SHAPE_AGREEMENT = ("sm90-fp8", "sm100-tokenspeed-draft-block-8",
+                      "sm100-tokenspeed-both-verify-9")
+AGREEMENT_RUNS = [(case, rs.TINY) for case in AGREEMENT_CASES] + [
+    (case, rs.K3_LIKE) for case in AGREEMENT_CASES if case[0] in K3_SHAPE_AGREEMENT]
+
+
+@pytest.mark.parametrize(
+    "case,shape", AGREEMENT_RUNS,
+    ids=[c[0] + ("-k3-shape" if shape == rs.K3_LIKE else "")
+         for c, shape in AGREEMENT_RUNS])
+def test_start_up_checks_agree_with_model_load(tmp_path, case, shape):
     """Accepted at start-up: it starts. Refused: the error names the flag,
     and the workers would have refused it at model load."""
     from tests.support.cuda_selection import check_as_gpu
 
     _, major, flags, refused_by = case
-    config = rs.recipe_config(shlex.split(flags), tmp_path)
+    config = rs.recipe_config(shlex.split(flags), tmp_path, shape=shape)
     if refused_by is None:
         check_as_gpu(config, major)
         start = rs.start_config(config, major)
@@ -270,3 +305,137 @@ def test_start_up_checks_agree_with_model_load(tmp_path, case):
     assert refused_by in str(refusal.value)
     with pytest.raises(ValueError):
         rs.start_config(config, major)
+
+
+# ---------------------------------------------------------------------------
+# Kimi-K3's shape: several KDA and MLA target layers, a multi-layer draft
+
+def assert_each_layer_runs_its_models_setting(start: rs.RecipeStart) -> int:
+    """Every MLA layer's forwards are built with its own model's setting:
+    a target layer's by the target runner's builder with the target's
+    (causal verify of 1 + k, host slack k), a draft layer's by the DSpark
+    speculator's builder with the draft's (block of k, slack 2k), also
+    where one builder of the target runner serves both models' layers.
+    Returns how many layers carry a plugin setting (FLASH_ATTN_MLA's
+    builder is vLLM's own and has none)."""
+    spec = start.vllm_config.speculative_config
+    k = spec.num_speculative_tokens
+    checked = 0
+    for name, layer in start.layers.items():
+        setting = getattr(start.forward_builders[name], "dcp_setting", None)
+        if setting is None:
+            continue
+        expected = (True, k, 2 * k) if layer.draft else (False, 1 + k, k)
+        got = (setting.draft, setting.max_decode_query_len,
+               setting.host_length_slack)
+        assert got == expected, (
+            f"{name} ({'draft' if layer.draft else 'target'}): its forwards' "
+            f"builder has (draft, query length, host slack) {got}, expected "
+            f"{expected}")
+        checked += 1
+    return checked
+
+
+def shared_builders(start: rs.RecipeStart) -> set[int]:
+    """The target runner's builders that serve target and draft layers."""
+    roles: dict[int, set[bool]] = {}
+    for name, layer in start.layers.items():
+        roles.setdefault(id(start.runner_builders[name]), set()).add(layer.draft)
+    return {builder for builder, seen in roles.items() if seen == {False, True}}
+
+
+# (id, GPU major, flags after the model; k = 4 unless the spec says)
+SHARED_GROUP_CASES = [
+    ("sm90-fp8-flashmla", 9, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--speculative-config '{_spec()}'"),
+    ("sm90-bf16-i16-flashmla", 9, "-tp 8 -dcp 8 --cp-kv-cache-interleave-size 16 "
+     f"--speculative-config '{_spec()}'"),
+    ("sm100-fp8-tokenspeed-both-k7", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' "
+     "--attention-backend TOKENSPEED_MLA --speculative-config "
+     f"'{_spec(num_speculative_tokens=7, attention_backend='TOKENSPEED_MLA')}'"),
+]
+
+
+@pytest.mark.parametrize("case", SHARED_GROUP_CASES,
+                         ids=[c[0] for c in SHARED_GROUP_CASES])
+def test_target_and_draft_layers_in_one_group_keep_their_settings(tmp_path, case):
+    """At Kimi-K3's shape vLLM's hybrid grouping puts target and draft MLA
+    layers in one KV-cache group, and the target runner makes one builder
+    for both: no target layer runs with the draft's setting."""
+    _, major, flags = case
+    start = rs.start_recipe(shlex.split(flags), major, tmp_path, shape=rs.K3_LIKE)
+    assert shared_builders(start), "no builder serves both models' layers"
+    assert assert_each_layer_runs_its_models_setting(start) == len(start.layers)
+
+
+def _k3_spec(k: int, **fields) -> str:
+    return _spec(num_speculative_tokens=k, **fields)
+
+
+# Flags users pass beyond the README's, started at Kimi-K3's shape without the
+# start-up checks' help: (id, GPU major, flags after the model, target
+# (backend, dtype), draft (backend, dtype)). Every one starts on the fast
+# path: vLLM's hybrid alignment pages Kimi-K3 by a multiple of 128 tokens
+# (kernel blocks of 64), which every interleave here divides.
+USER_VARIANTS = [
+    # A draft KV dtype of its own without --block-size: the draft's backend
+    # is selected at the block size vLLM will page with, not the provisional
+    # 16 its rebuilt cache config passes (vLLM's choice there: TRITON_MLA).
+    ("sm90-fp8-draft-dtype-fp8-k3", 9,
+     f"-tp 8 -dcp 8 --kv-cache-dtype fp8 --speculative-config "
+     f"'{_k3_spec(3, kv_cache_dtype='fp8')}'", ("FLASHMLA", "fp8"), ("FLASHMLA", "fp8")),
+    ("sm90-fp8-draft-dtype-auto", 9,
+     f"-tp 8 -dcp 8 --kv-cache-dtype fp8 --speculative-config "
+     f"'{_k3_spec(4, kv_cache_dtype='auto')}'", ("FLASHMLA", "fp8"), ("FLASHMLA", "bf16")),
+    ("sm100-fp8-draft-dtype-auto-k7", 10,
+     f"-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' "
+     "--speculative-config "
+     f"'{_k3_spec(7, kv_cache_dtype='auto')}'",
+     ("FLASHINFER_MLA", "fp8"), ("FLASHINFER_MLA", "bf16")),
+    # Interleave 64 without --block-size: the README's backends.
+    ("sm100-fp8-i64-tokenspeed-draft", 10,
+     "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' "
+     "--cp-kv-cache-interleave-size 64 "
+     f"--speculative-config '{_k3_spec(4, attention_backend='TOKENSPEED_MLA')}'",
+     ("FLASHINFER_MLA", "fp8"), ("TOKENSPEED_MLA", "fp8")),
+    ("sm100-fp8-i64-vllm-picks", 10,
+     "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' "
+     "--cp-kv-cache-interleave-size 64 "
+     f"--speculative-config '{_k3_spec(4)}'",
+     ("FLASHINFER_MLA", "fp8"), ("FLASHINFER_MLA", "fp8")),
+    ("sm100-fp8-i64-bs64-k8", 10,
+     "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' "
+     "--cp-kv-cache-interleave-size 64 "
+     "--block-size 64 --speculative-config "
+     f"'{_k3_spec(8, attention_backend='TOKENSPEED_MLA')}'",
+     ("FLASHINFER_MLA", "fp8"), ("TOKENSPEED_MLA", "fp8")),
+    ("sm90-fp8-i64-k8", 9,
+     "-tp 8 -dcp 8 --kv-cache-dtype fp8 --cp-kv-cache-interleave-size 64 "
+     f"--speculative-config '{_k3_spec(8)}'", ("FLASHMLA", "fp8"), ("FLASHMLA", "fp8")),
+    ("sm90-bf16-i16-bs64-k3", 9,
+     "-tp 8 -dcp 8 --cp-kv-cache-interleave-size 16 --block-size 64 "
+     f"--speculative-config '{_k3_spec(3)}'", ("FLASHMLA", "bf16"), ("FLASHMLA", "bf16")),
+    ("sm90-bf16-i1-k7", 9, f"-tp 8 -dcp 8 --speculative-config '{_k3_spec(7)}'",
+     ("FLASH_ATTN_MLA", "bf16"), ("FLASHMLA", "bf16")),
+    ("sm100-fp8-i16-k3", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' "
+     f"--cp-kv-cache-interleave-size 16 --speculative-config '{_k3_spec(3)}'",
+     ("FLASHINFER_MLA", "fp8"), ("FLASHINFER_MLA", "fp8")),
+]
+
+
+@pytest.mark.parametrize("case", USER_VARIANTS, ids=[c[0] for c in USER_VARIANTS])
+def test_user_variants_start_on_the_fast_path(tmp_path, case):
+    """Each variant passes the start-up checks and starts, every layer on
+    the backend expected, with its own model's setting, through the engine
+    core's KV-cache plan and its ``validate_block_size``."""
+    _, major, flags, target, draft = case
+    start = rs.start_recipe(shlex.split(flags), major, tmp_path, shape=rs.K3_LIKE)
+    assert start.block_size % 128 == 0, start.block_size
+    assert_layers(start, target, draft)
+    assert assert_each_layer_runs_its_models_setting(start) > 0

@@ -358,3 +358,32 @@ def test_cpu_serves_target_and_draft_with_cpu_mla(argv, backends, model):
     and a DSpark draft: --cpu names CPU_MLA for both unless told."""
     args = serve.build_parser().parse_args(["--model", model] + argv)
     assert serve.cpu_attention_backends(args) == backends
+
+
+def test_sm100_fp8_passes_an_fp8_prefill_unless_the_user_names_one(tmp_path):
+    """--kv-cache-dtype fp8 on sm100 passes vLLM PR #52188's --attention-config
+    (Kimi-K3's prefill over an fp8 cache needs an fp8 query); a user's own
+    --attention-config after -- is left as given; nowhere else (sm90, bf16,
+    --cpu). tests/test_recipe_start.py starts what it generates."""
+    from tests.support.recipe_start import serve_args
+    from tests.support.tiny_dspark import build_config_only_pair
+
+    target, draft = build_config_only_pair(tmp_path)
+    base = ["--model", str(target), "--tp", "8", "--dcp", "8", "--draft", str(draft)]
+    parse = serve.build_parser().parse_args
+
+    def attention(argv, extra, major):
+        command = serve.launch_command(parse(argv), extra, major)
+        config = serve_args(command[command.index("-tp"):]).attention_config
+        return (getattr(config.mla_prefill_backend, "name", None),
+                config.use_prefill_query_quantization)
+
+    fp8 = base + ["--kv-cache-dtype", "fp8"]
+    assert attention(fp8, [], 10) == ("TRTLLM_RAGGED", True)
+    own = ["--attention-config", '{"mla_prefill_backend": "FLASHINFER", '
+           '"use_prefill_query_quantization": true}']
+    assert attention(fp8, own, 10) == ("FLASHINFER", True)
+    assert attention(fp8, ["--attention-config.use_prefill_query_quantization=true"],
+                     10) == (None, True)
+    for argv, major in ((fp8, 9), (fp8, None), (base, 10)):
+        assert attention(argv, [], major) == (None, False)

@@ -32,6 +32,9 @@ tiles). ``--kv-cache-dtype fp8 --draft D --draft-attention-backend
 FLASHINFER_MLA`` at ``--dcp`` > 1 on a Hopper GPU keeps the draft's layers
 bf16 (``"kv_cache_dtype": "auto"`` in ``--speculative-config``, and
 ``--block-size 64`` unless given), as FLASHINFER_MLA there reads bf16 only.
+``--kv-cache-dtype fp8`` on an sm100 GPU passes vLLM PR #52188's
+``--attention-config`` (TRTLLM_RAGGED prefill, fp8 prefill query: Kimi-K3's
+prefill over an fp8 cache takes nothing else) unless one is given after ``--``.
 
 From Python, ``with VllmServer(server_command(...)) as server:`` gives the
 same start / wait / stop around a block.
@@ -106,6 +109,24 @@ def hopper_bf16_draft(args: argparse.Namespace, major: int | None) -> bool:
     return (major == 9 and not args.cpu and args.draft is not None
             and args.dcp > 1 and (args.kv_cache_dtype or "").startswith("fp8")
             and args.draft_attention_backend == "FLASHINFER_MLA")
+
+
+# vLLM PR #52188's prefill for Kimi-K3 over an fp8 KV cache on sm100: its MLA
+# layer prefills that cache with an fp8 query only, which vLLM gives with an
+# fp8 prefill backend and query quantization (vLLM picks FLASH_ATTN, bf16).
+SM100_FP8_PREFILL_ATTENTION_CONFIG = (
+    '{"mla_prefill_backend":"TRTLLM_RAGGED","use_prefill_query_quantization":true}')
+
+
+def sm100_fp8_prefill(args: argparse.Namespace, extra: list[str],
+                      major: int | None) -> bool:
+    """Whether the launcher passes ``SM100_FP8_PREFILL_ATTENTION_CONFIG``: a
+    plain fp8 KV cache on sm100, no ``--attention-config`` of the user's."""
+    kv = args.kv_cache_dtype or ""
+    named = any(arg.split("=")[0].split(".")[0] in ("--attention-config", "-ac")
+                for arg in extra)
+    return (major == 10 and not args.cpu and kv.startswith("fp8")
+            and kv != "fp8_ds_mla" and not named)
 
 
 def server_command(*, model: str, tp: int = 1, dcp: int = 1,
@@ -588,6 +609,8 @@ def launch_command(args: argparse.Namespace, extra: list[str],
     bf16_draft = hopper_bf16_draft(args, major)
     if bf16_draft and _extra_flag(extra, "--block-size") is None:
         extra = ["--block-size", str(HOPPER_FLASHINFER_BLOCK_SIZE), *extra]
+    if sm100_fp8_prefill(args, extra, major):
+        extra = ["--attention-config", SM100_FP8_PREFILL_ATTENTION_CONFIG, *extra]
     return server_command(
         model=args.model, tp=args.tp, dcp=args.dcp, interleave=args.interleave,
         draft=args.draft, num_spec=args.num_spec,

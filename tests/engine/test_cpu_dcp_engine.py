@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.greedy_run import run_engine
 from tests.support.tiny_mla import build_tiny_mla_checkpoint, hf_greedy
 
 HERE = Path(__file__).resolve().parent
@@ -76,8 +77,7 @@ def launch(model_dir, prompts_file, *, tp=1, dcp=1, interleave=1, ngram=0,
            "--prompts-json", str(prompts_file), "--tp", str(tp), "--dcp", str(dcp),
            "--interleave", str(interleave), "--max-tokens", str(MAX_TOKENS),
            "--ngram", str(ngram)]
-    return subprocess.run(cmd, env=engine_env(tp), capture_output=True, text=True,
-                          timeout=timeout, cwd=HERE)
+    return run_engine(cmd, env=engine_env(tp), timeout=timeout, cwd=HERE)
 
 
 def generate(model_dir, prompts_file, **config) -> dict:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.greedy_run import run_engine
 from tests.support.tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
 from tests.support.tiny_mla import build_tiny_mla_checkpoint
 
@@ -63,6 +63,19 @@ def make_prompts() -> list[list[int]]:
 
 
 PROMPTS = make_prompts()
+# A step budget that cuts verify blocks. Every scheduled request also takes
+# k - 1 = 3 draft slots of the budget (DSpark); vLLM admits a waiting prompt
+# only where the budget left holds it whole (its CPU platform turns chunked
+# prefill off for MLA). Prompts of 2-4 tokens let six requests in on the
+# first step (5-7 budget tokens each); verifying next (1 + k = 5 tokens and
+# 3 slots each), they need 48 of the 38: four verify whole, the fifth's block
+# is cut to 3 tokens. With 10 prompts and max_num_seqs 8 the last ones arrive
+# mid-run and prefill in steps where the running requests verify.
+BUDGET = 38
+BUDGET_MAX_NUM_SEQS = 8
+BUDGET_PROMPTS = [
+    torch.randint(4, 256, (n,), generator=torch.Generator().manual_seed(13 + n)).tolist()
+    for n in (2, 3, 4, 2, 3, 4, 3, 2, 4, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +83,15 @@ def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dspark-cpu")
     build_tiny_mla_checkpoint(root / "target")
     (root / "prompts.json").write_text(json.dumps(PROMPTS))
+    (root / "budget_prompts.json").write_text(json.dumps(BUDGET_PROMPTS))
     return root
 
 
-def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None) -> dict:
-    """One engine run (cached per configuration); its JSON result."""
-    key = (tp, dcp, interleave, str(draft))
+def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None,
+             budget=None, prompts="prompts.json", max_num_seqs=MAX_NUM_SEQS) -> dict:
+    """One engine run (cached per configuration); its JSON result.
+    ``budget``: ``--max-num-batched-tokens``."""
+    key = (tp, dcp, interleave, str(draft), budget, prompts, max_num_seqs)
     if key in _RUNS:
         return _RUNS[key]
     from tests.support.greedy_run import cpu_engine_env
@@ -85,15 +101,16 @@ def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None) -> dict:
     env.pop("VLLM_DCP_CPU_MRV2", None)
     cmd = [sys.executable, str(HERE.parent / "support" / "greedy_run.py"),
            "--model", str(workdir / "target"),
-           "--prompts-json", str(workdir / "prompts.json"),
+           "--prompts-json", str(workdir / prompts),
            "--tp", str(tp), "--dcp", str(dcp), "--interleave", str(interleave),
-           "--max-tokens", str(MAX_TOKENS), "--max-num-seqs", str(MAX_NUM_SEQS)]
+           "--max-tokens", str(MAX_TOKENS), "--max-num-seqs", str(max_num_seqs)]
+    if budget is not None:
+        cmd += ["--max-num-batched-tokens", str(budget)]
     if draft is not None:
         cmd += ["--draft", str(draft)]
         env["VLLM_DCP_CPU_MRV2"] = "1"
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=ENGINE_TIMEOUT_S, cwd=HERE)
+    proc = run_engine(cmd, env=env, timeout=ENGINE_TIMEOUT_S, cwd=HERE)
     lines = [line for line in proc.stdout.splitlines()
              if line.startswith('{"tokens"')]
     assert proc.returncode == 0 and lines, (
@@ -103,7 +120,8 @@ def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None) -> dict:
     result["wall_s"] = round(time.perf_counter() - start, 1)
     result["log"] = proc.stdout + proc.stderr
     spec = result["spec"]
-    print(f"\nengine tp={tp} dcp={dcp} I={interleave} draft={draft is not None}: "
+    print(f"\nengine tp={tp} dcp={dcp} I={interleave} draft={draft is not None} "
+          f"budget={budget} prompts={prompts}: "
           f"wall {result['wall_s']} s (load {result['load_s']} s, generate "
           f"{result['generate_s']} s), spec {spec}")
     _RUNS[key] = result
@@ -137,13 +155,13 @@ def acceptance(result: dict) -> tuple[int, int, int]:
             int(spec["vllm:spec_decode_num_accepted_tokens"]))
 
 
-def assert_same_tokens(got, want, what):
-    assert len(got) == len(want) == len(PROMPTS)
+def assert_same_tokens(got, want, what, prompts=PROMPTS):
+    assert len(got) == len(want) == len(prompts)
     for i, (g, w) in enumerate(zip(got, want)):
         assert len(g) == len(w) == MAX_TOKENS, (what, i)
         first = next((t for t, (a, b) in enumerate(zip(g, w)) if a != b), None)
         assert first is None, (
-            f"{what}: prompt {i} (len {len(PROMPTS[i])}) differs from token "
+            f"{what}: prompt {i} (len {len(prompts[i])}) differs from token "
             f"{first}: {g[first:first + 8]} vs {w[first:first + 8]}")
 
 
@@ -193,3 +211,27 @@ def test_dspark_acceptance_equal_at_dcp1_and_dcp2(workdir, markov_draft,
     assert drafts > 0 and drafted > drafts
     assert accepted >= MIN_ACCEPTANCE * drafted, tp1
     assert dcp2 == tp1
+
+
+def test_cut_verify_blocks_and_mid_run_prefills_equal_plain_tp2(workdir):
+    """A token budget that cuts verify blocks short, and prompts arriving
+    mid-run whose prefills share it with verifying requests: ``-tp 2 -dcp 2``
+    + DSpark gives the tokens of stock ``-tp 2`` with the same budget. The
+    drafted-token count shows the cuts (fewer than the block of 4 per
+    draft); the draft's Markov head follows these prompts' own greedy
+    output, so accepted drafts exercise the verify rows past the first."""
+    config = dict(tp=2, budget=BUDGET, prompts="budget_prompts.json",
+                  max_num_seqs=BUDGET_MAX_NUM_SEQS)
+    plain = generate(workdir, **config)
+    successors = bigram_successors(
+        [p[-1:] + t for p, t in zip(BUDGET_PROMPTS, plain["tokens"])])
+    draft = build_tiny_dspark_checkpoint(workdir / "budget_draft", workdir / "target",
+                                         markov_successors=successors)
+    run = generate(workdir, dcp=2, draft=draft, **config)
+    assert_same_tokens(run["tokens"], plain["tokens"],
+                       f"-tp 2 -dcp 2 + DSpark, budget {BUDGET}", BUDGET_PROMPTS)
+    drafts, drafted, accepted = acceptance(run)
+    print(f"\nbudget {BUDGET}: {drafts} drafts, {drafted} drafted tokens, "
+          f"{accepted} accepted")
+    assert drafts > 0 and drafted < 4 * drafts, "no verify block was cut"
+    assert accepted >= MIN_ACCEPTANCE * drafted

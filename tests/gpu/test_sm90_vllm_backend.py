@@ -12,7 +12,8 @@ kept across forwards and its own shard of a random paged cache); the ranks'
 ``forward_mqa`` outputs, merged, must equal float32 dense attention
 (``dense_reference.full_attention``).
 
-- eager forwards: causal verify and the non-causal block, ragged batches; per
+- eager forwards: causal verify (ragged: blocks cut as vLLM's scheduler cuts
+  them) and the non-causal block; per
   builder a first forward, one at the same lengths with new pages and
   queries (FlashInfer's plan reused), one where a request filled a local
   page, one where a request joined (planned again);
@@ -26,7 +27,8 @@ kept across forwards and its own shard of a random paged cache); the ranks'
   shape is replayed for new batches of that size (fewer real requests,
   random lengths, new block tables and queries) after vLLM's ``build``:
   replay must equal the eager run bitwise and the merged ranks dense
-  attention.
+  attention; between verify replays a batch of cut blocks runs eagerly on
+  the same builders.
 
 Needs an sm90 GPU, FlashInfer and vLLM's Python (``gpu/README.md``);
 skipped otherwise. ``tests/test_flashinfer_dcp_mla.py`` runs the same
@@ -299,20 +301,25 @@ def fp8_kernel_alone_errors(sim, batch, layer, ref_out, ref_lse):
     the bf16 one; the DCP rows may differ from dense by about as much."""
     from vllm.v1.attention.ops import flashmla
 
-    num_reqs = sum(1 for n in batch.query_lens if n)
-    q_len = sim.query_len
-    q = sim.stored(batch.q[layer][:num_reqs * q_len].float(), Q_SCALE)
-    cache = sim.stored(sim.dense_caches[layer], K_SCALE)
-    lens = torch.tensor(batch.seq_lens[:num_reqs], dtype=torch.int32, device=DEVICE)
-    tile, splits = flashmla.get_mla_metadata_dense_fp8(lens, q_len * NUM_HEADS, 1)
-    out, lse = flashmla.flash_mla_with_kvcache_fp8(
-        q=q.view(num_reqs, q_len, NUM_HEADS, LATENT), k_cache=cache.unsqueeze(-2),
-        block_table=sim.slot_table[batch.slots[:num_reqs]].to(DEVICE),
-        cache_seqlens=lens, head_dim_v=LATENT - 64, tile_scheduler_metadata=tile,
-        num_splits=splits, softmax_scale=SCALE, causal=sim.causal,
-        descale_q=sim.layer._q_scale, descale_k=sim.layer._k_scale)
-    out = out.float().view(-1, NUM_HEADS, LATENT - 64)
-    lse = lse.transpose(1, 2).reshape(-1, NUM_HEADS)
+    cache = sim.stored(sim.dense_caches[layer], K_SCALE).unsqueeze(-2)
+    outs, lses, start = [], [], 0
+    # One call per request (b = 1, s = its query length): ragged batches too.
+    for q_len, seq_len, slot in zip(batch.query_lens, batch.seq_lens, batch.slots):
+        if not q_len:
+            continue
+        q = sim.stored(batch.q[layer][start:start + q_len].float(), Q_SCALE)
+        start += q_len
+        lens = torch.tensor([seq_len], dtype=torch.int32, device=DEVICE)
+        tile, splits = flashmla.get_mla_metadata_dense_fp8(lens, q_len * NUM_HEADS, 1)
+        out, lse = flashmla.flash_mla_with_kvcache_fp8(
+            q=q.view(1, q_len, NUM_HEADS, LATENT), k_cache=cache,
+            block_table=sim.slot_table[[slot]].to(DEVICE),
+            cache_seqlens=lens, head_dim_v=LATENT - 64, tile_scheduler_metadata=tile,
+            num_splits=splits, softmax_scale=SCALE, causal=sim.causal,
+            descale_q=sim.layer._q_scale, descale_k=sim.layer._k_scale)
+        outs.append(out.float().view(-1, NUM_HEADS, LATENT - 64))
+        lses.append(lse.transpose(1, 2).reshape(-1, NUM_HEADS))
+    out, lse = torch.cat(outs), torch.cat(lses)
     return ((out - ref_out.to(DEVICE)).abs().max().item(),
             (lse - ref_lse.to(DEVICE)).abs().max().item())
 
@@ -373,10 +380,10 @@ def test_eager_forwards_merge_to_dense(tmp_path, backend, world, interleave, dra
                          seed=world, backend=backend)
     rng = random.Random(world * 10 + draft)
     q_len = sim.query_len
-    # FlashMLA decodes uniform requests (vLLM's split sends the rest to
-    # prefill); the row backends take ragged verify blocks.
-    uniform = draft or backend.startswith("flashmla")
-    query_lens = [q_len] * 5 if uniform else [5, 1, 3, 2, 4]
+    # Verify blocks as vLLM's scheduler cuts them (token budget): ragged on
+    # every backend (FLASHMLA tiles them to the longest); a DSpark block is
+    # always k tokens.
+    query_lens = [q_len] * 5 if draft else [5, 1, 3, 2, 4]
     seq_lens = [rng.randint(400, 600), rng.randint(1, 8), rng.randint(200, 500),
                 world * interleave - 1, rng.randint(50, 120)]
     seq_lens = [max(n, q) for n, q in zip(seq_lens, query_lens)]
@@ -445,10 +452,24 @@ def test_graphs_at_every_shape_vllm_captures(tmp_path, backend, world, interleav
                     with torch.cuda.graph(graph, pool=pool):
                         outputs = sim.forward(rank, metadata, num_tokens)
                     captured[rank, num_tokens] = (graph, outputs)
-    # Serve: each shape replayed for new batches of its size.
+    # Serve: each shape replayed for new batches of its size; for the
+    # verify, a batch of cut blocks between replays runs eagerly (vLLM
+    # captures uniform batches only) over the same builder's buffers.
     order = [shape for shape in sim.shapes for _ in range(2)]
     rng.shuffle(order)
-    for num_tokens, num_reqs in order:
+    for step, (num_tokens, num_reqs) in enumerate(order):
+        if not draft and step % 2:
+            cut = [sim.query_len, 2, sim.query_len, 1][:max(2, min(4, num_reqs))]
+            ragged = make_batch(sim, rng, num_reqs=len(cut), num_tokens=sum(cut),
+                                query_lens=cut)
+            sim.set_queries(ragged)
+            per_rank = []
+            for rank, state in enumerate(sim.ranks):
+                with sim.rank_context(rank):
+                    metadata = state.builder.build(0, sim.common(rank, ragged))
+                    assert metadata.num_decodes == len(cut), "a cut block went to prefill"
+                    per_rank.append(sim.forward(rank, metadata, ragged.num_tokens))
+            check_merged(sim, ragged, per_rank)
         batch = make_batch(sim, rng, num_reqs=num_reqs, num_tokens=num_tokens)
         sim.set_queries(batch)
         per_rank = []

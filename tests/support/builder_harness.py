@@ -156,8 +156,19 @@ def _fake_dcp_manager():
 def register_fake_mla_layers(vllm_config, layer_names, *, non_causal=False):
     """Put stand-ins of the model's MLA layers into the forward context."""
     class _Prefill:
+        """An MLA prefill backend: keeps the metadata it is handed."""
+
+        prepared = None
+
+        @staticmethod
+        def get_name():
+            return "FLASH_ATTN"
+
         def clone(self):
             return self
+
+        def prepare_metadata(self, metadata):
+            self.prepared = metadata
 
     ctx = vllm_config.compilation_config.static_forward_context
     for name in layer_names:
@@ -203,10 +214,14 @@ def _offsets(query_lens) -> torch.Tensor:
 
 def common_metadata(seq_lens, query_lens, block_table, *, world_size, rank,
                     interleave, causal=True, host_query_lens=None,
-                    max_query_len=None):
+                    max_query_len=None, host_slack=0):
     """vLLM's ``CommonAttentionMetadata`` of a decode batch on one DCP rank.
 
     ``query_lens`` are the device query lengths (what the model runs).
+    ``host_slack`` (an int, or one per request) is how far the host's upper
+    bound of each sequence length lies above the device's: under async
+    scheduling up to k for a speculative request (the host assumes every
+    draft of the last step was accepted), 0 for a prefill.
     ``host_query_lens`` (same total) stand for Model Runner V2's adaptive
     verification, which spreads the draft budget evenly on the host while the
     device offsets are ragged; ``max_query_len`` is the bound vLLM promises
@@ -230,7 +245,8 @@ def common_metadata(seq_lens, query_lens, block_table, *, world_size, rank,
         causal=causal,
         dcp_local_seq_lens=get_dcp_local_seq_lens(seq_lens, world_size, rank,
                                                   interleave),
-        seq_lens_cpu_upper_bound=seq_lens.clone(),
+        seq_lens_cpu_upper_bound=seq_lens + torch.as_tensor(host_slack,
+                                                            dtype=torch.int32),
     )
 
 

@@ -6,7 +6,8 @@ threads, which does not mix with pytest's process) and read one JSON object
 from the last line of stdout::
 
     python tests/support/greedy_run.py --model DIR --prompts-json FILE \
-        --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR]
+        --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR] \
+        [--max-num-batched-tokens N]
 
 ``--draft`` speculates with a DSpark draft checkpoint; that needs Model
 Runner V2, which on CPU needs ``VLLM_DCP_CPU_MRV2=1`` in the environment
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import time
 
 
@@ -39,6 +42,22 @@ def cpu_engine_env(tp: int) -> dict[str, str]:
     }
 
 
+def run_engine(cmd: list[str], *, env: dict[str, str], timeout: float,
+               cwd) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of an engine script in its own process group: on a
+    timeout the engine core and workers it forked are killed with it (they
+    would go on using the cores), then ``TimeoutExpired`` is raised."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -52,6 +71,9 @@ def main() -> None:
                         help="ngram speculative tokens (0: no speculation)")
     parser.add_argument("--draft", help="DSpark draft checkpoint")
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="the step's token budget (vLLM's default if unset); "
+                        "a small one cuts verify blocks and chunks prefills")
     args = parser.parse_args()
     if args.draft and os.environ.get("VLLM_DCP_CPU_MRV2", "0") in ("", "0"):
         parser.error("--draft (DSpark) needs VLLM_DCP_CPU_MRV2=1 on CPU")
@@ -90,6 +112,8 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         seed=0,
         disable_log_stats=not speculating,
+        **({"max_num_batched_tokens": args.max_num_batched_tokens}
+           if args.max_num_batched_tokens else {}),
         **kwargs,
     )
     loaded = time.perf_counter()

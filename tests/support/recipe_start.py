@@ -3,25 +3,33 @@
 
 ``start_recipe(argv, major)`` takes the flags of a ``vllm serve`` command and
 runs, on a tiny Kimi-K3 target and its K3 DSpark draft (config only, no
-weights, built on the meta device), what vLLM runs before the first token,
-with vLLM's own code:
+weights, built on the meta device; ``PairShape``: ``TINY``, or ``K3_LIKE``,
+Kimi-K3's architecture and layer pattern), what vLLM runs before the first
+token, with vLLM's own code:
 
 1. the ``VllmConfig``, from the exact flags through vLLM's CLI parser and
    ``EngineArgs`` (``cuda_selection.gpu_engine_config``: built on the CPU
-   platform, as a GPU would build it), then the plugin's start-up checks,
-   the platform answering as sm``major``0 (``check_as_gpu``);
+   platform, as a GPU would build it), then the CUDA platform's config hook
+   with the plugin's start-up checks in it, as on sm``major``0
+   (``check_on_cuda``);
 2. the worker's model load: vLLM's model classes for the target
    (``KimiLinearForCausalLM``, the text model Kimi-K3 builds: its KDA layers
-   and its MLA layers, Kimi-K3's ``MultiHeadLatentAttention``) and the draft (vLLM's
-   ``load_dspark_model``, which derives the draft's config: its attention
-   backend, KV dtype and non-causal attention), each layer selecting its
-   backend with its own KV dtype through vLLM's selector as on sm``major``0
+   and its MLA layers, Kimi-K3's ``MultiHeadLatentAttention``; for
+   ``K3_LIKE`` the ``KimiK3ForConditionalGeneration`` around it, vision
+   tower included) and the draft (vLLM's ``load_dspark_model``, which
+   derives the draft's config: its attention backend, KV dtype and
+   non-causal attention), each layer selecting its backend with its own KV
+   dtype through vLLM's selector as on sm``major``0
    (``cuda_selection.as_cuda_gpu``), the plugin's overrides registered;
-3. the platform's ``update_block_size_for_backend``, vLLM's KV-cache specs
-   (``get_kv_cache_spec``), the engine core's KV-cache layout
-   (``resolve_kv_cache_layout``) and grouping (``get_kv_cache_groups``), and every
-   group's metadata builders (``init_attn_backend``), on rank 0 of a faked
-   DCP group.
+3. the platform's ``update_block_size_for_backend`` (vLLM's hybrid
+   alignment), vLLM's KV-cache specs (``get_kv_cache_spec``), the engine
+   core's KV-cache layout (``resolve_kv_cache_layout``), its KV-cache plan
+   (``get_kv_cache_configs``: grouping, page unification) and
+   ``validate_block_size``, the model runner's
+   ``check_attention_cp_compatibility``, and every group's metadata builders
+   (``init_attn_backend``): the target runner's, and the DSpark
+   speculator's own for the draft's layers (its ``attn_vllm_config``), on
+   rank 0 of a faked DCP group.
 
 What stands in for a GPU: the process groups (a rank of ``-tp`` / ``-dcp``
 that talks to nobody), CUDA streams and events (none), the DCP
@@ -37,6 +45,7 @@ at that step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import shlex
@@ -57,36 +66,83 @@ TINY_TARGET_LAYERS = 2
 TINY_DRAFT_LAYERS = 1
 
 
+@dataclass(frozen=True)
+class PairShape:
+    """The layers of a tiny Kimi-K3 pair: the target's, one letter each
+    (``k`` Kimi Delta Attention, ``m`` MLA), and the draft's count (MLA)."""
+
+    target: str = "km"
+    draft_layers: int = TINY_DRAFT_LAYERS
+    # The target as Kimi-K3's checkpoint names it: the multimodal
+    # ``KimiK3ForConditionalGeneration`` (a tiny Kimi-K2.5 vision tower and
+    # projector around the text model); else the text model alone.
+    multimodal: bool = False
+
+    @property
+    def target_layers(self) -> int:
+        return len(self.target)
+
+
+# One KDA and one MLA target layer, one draft layer.
+TINY = PairShape()
+# Kimi-K3's architecture and pattern (three KDA layers to one MLA layer)
+# over 12 target layers, and a two-layer draft: vLLM's hybrid grouping then
+# puts target and draft MLA layers in one KV-cache group, served by one
+# builder per backend.
+K3_LIKE = PairShape("kkkmkkkmkkkm", 2, multimodal=True)
+
+# A tiny Kimi-K3 vision tower (MoonViT) and projector.
+TINY_VISION_CONFIG = dict(vt_num_attention_heads=2, vt_num_hidden_layers=1,
+                          vt_hidden_size=64, vt_intermediate_size=128,
+                          qkv_hidden_size=96, mm_hidden_size=64)
+
+
 def tiny_k3_configs(*, num_layers: int = TINY_TARGET_LAYERS,
                     num_draft_layers: int = TINY_DRAFT_LAYERS,
-                    num_heads: int = 16) -> tuple[dict, dict]:
+                    num_heads: int = 16,
+                    shape: PairShape | None = None) -> tuple[dict, dict]:
     """config.json of a tiny Kimi-K3 text model and of a K3 DSpark draft for
     it. As Kimi-K3, a hybrid: Kimi Delta Attention (KDA, linear attention
     with a recurrent state) layers and MLA layers (NoPE, Kimi-K3's 512 + 64
-    latent, q-LoRA); here layer 0 KDA, the others MLA.
+    latent, q-LoRA): ``shape``'s, else layer 0 KDA and the others MLA
+    (``num_layers``, ``num_draft_layers``); the text model alone
+    (``KimiLinearForCausalLM``) or, where ``shape.multimodal``, wrapped as
+    Kimi-K3's checkpoint names it (``KimiK3ForConditionalGeneration``).
 
     ``num_heads`` 16: 2 per rank at ``-tp 8``, as Kimi-K3's 96 are 12."""
+    if shape is None:
+        shape = PairShape("k" + "m" * (num_layers - 1), num_draft_layers)
+    kinds = shape.target
     target = dict(
         architectures=["KimiLinearForCausalLM"], model_type="kimi_linear",
         vocab_size=256, hidden_size=256, intermediate_size=512,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_hidden_layers=len(kinds), num_attention_heads=num_heads,
         num_key_value_heads=num_heads, q_lora_rank=128, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         mla_use_nope=True, mla_use_output_gate=False,
         linear_attn_config=dict(  # 1-based layer numbers
-            kda_layers=[1], full_attn_layers=list(range(2, num_layers + 1)),
+            kda_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "k"],
+            full_attn_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "m"],
             num_heads=num_heads, head_dim=64, short_conv_kernel_size=4,
             use_full_rank_gate=True),
         max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="silu",
         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
-    draft = tiny_dspark_config(target, num_layers=num_draft_layers)
+    draft = tiny_dspark_config(target, num_layers=shape.draft_layers)
     draft["torch_dtype"] = "bfloat16"
+    if shape.multimodal:
+        text = {k: v for k, v in target.items() if k != "architectures"}
+        target = dict(
+            architectures=["KimiK3ForConditionalGeneration"], model_type="kimi_k3",
+            text_config=text,
+            vision_config=dict(TINY_VISION_CONFIG, text_hidden_size=text["hidden_size"]),
+            media_placeholder_token_id=text["vocab_size"] - 6, pad_token_id=0,
+            torch_dtype="bfloat16")
     return target, draft
 
 
-def write_tiny_k3_pair(root: Path) -> tuple[Path, Path]:
+def write_tiny_k3_pair(root: Path, shape: PairShape = TINY) -> tuple[Path, Path]:
     """The two configs as checkpoint folders (config.json only)."""
-    target, draft = tiny_k3_configs()
+    target, draft = tiny_k3_configs(shape=shape)
     paths = []
     for name, config in (("target", target), ("draft", draft)):
         path = Path(root) / name
@@ -108,19 +164,19 @@ def serve_args(argv: list[str] | str):
     return EngineArgs.from_cli_args(parser.parse_args(["--model", "unused", *argv]))
 
 
-def _tiny_layer_index(index: int) -> int:
+def _tiny_layer_index(index: int, shape: PairShape = TINY) -> int:
     """A Kimi-K3 layer index of a recipe (0-60 the target's, 61 on the
     draft's) as the same layer of the tiny pair."""
     if index >= K3_TARGET_LAYERS:
-        return TINY_TARGET_LAYERS + index - K3_TARGET_LAYERS
-    if index >= TINY_TARGET_LAYERS:
+        return shape.target_layers + index - K3_TARGET_LAYERS
+    if index >= shape.target_layers:
         raise ValueError(f"layer {index}: the tiny target has "
-                         f"{TINY_TARGET_LAYERS} layers")
+                         f"{shape.target_layers} layers")
     return index
 
 
 def engine_flags(args, target: Path, draft: Path, *, dcp: int | None = None,
-                 k3_layer_indices: bool = True) -> dict:
+                 k3_layer_indices: bool = True, shape: PairShape = TINY) -> dict:
     """The ``EngineArgs`` fields a recipe sets, for the tiny pair: its model
     and draft replaced, ``-dcp`` replaced by ``dcp`` if given, layer indices
     mapped to the tiny pair (``k3_layer_indices``: they count Kimi-K3's)."""
@@ -136,7 +192,7 @@ def engine_flags(args, target: Path, draft: Path, *, dcp: int | None = None,
     skipped = flags.get("kv_cache_dtype_skip_layers")
     if skipped and k3_layer_indices:
         flags["kv_cache_dtype_skip_layers"] = [
-            str(_tiny_layer_index(int(i))) if str(i).isdigit() else i
+            str(_tiny_layer_index(int(i), shape)) if str(i).isdigit() else i
             for i in skipped]
     if dcp is not None:
         flags["decode_context_parallel_size"] = dcp
@@ -164,6 +220,13 @@ class RecipeStart:
     layers: dict[str, LayerStart]  # the MLA layers
     state_layers: dict[str, tuple]  # the others: (backend, builder class)
     vllm_config: object
+    # Per MLA layer, the builder that builds the metadata of the forwards it
+    # runs in: the target runner's for a target layer, the DSpark
+    # speculator's (its own ``init_attn_backend``) for a draft layer.
+    forward_builders: dict[str, object] = dataclasses.field(default_factory=dict)
+    # Per MLA layer, the target runner's builder of its KV-cache group (for
+    # a draft layer, one that may serve target layers too).
+    runner_builders: dict[str, object] = dataclasses.field(default_factory=dict)
 
     def role(self, draft: bool) -> tuple[str, str]:
         """(backend, KV dtype) of the target's (or draft's) layers; one pair."""
@@ -196,6 +259,7 @@ def _import_on_cpu() -> None:
     import vllm.models.kimi_k3.nvidia.dspark_mla  # noqa: F401
     import vllm.models.kimi_k3.nvidia.model  # noqa: F401
     import vllm.v1.worker.gpu.attn_utils  # noqa: F401
+    import vllm.v1.worker.gpu.spec_decode.dspark.speculator  # noqa: F401
     import vllm.v1.worker.gpu.spec_decode.dspark.utils  # noqa: F401
     import vllm.v1.worker.gpu.spec_decode.eagle.utils  # noqa: F401
 
@@ -238,6 +302,12 @@ def _worker_rank(cuda_platform, tp: int, dcp: int):
             enter(mock.patch.object(
                 cuda_platform, "get_mla_prefill_backend_cls",
                 classmethod(lambda cls, selector_config: _PrefillStandIn)))
+            # A prefill backend named in --attention-config is vLLM's own;
+            # TRTLLM_RAGGED takes its buffer from the workspace the GPU model
+            # runner makes (here on the meta device, for that backend only).
+            enter(mock.patch(
+                "vllm.v1.attention.backends.mla.prefill.trtllm_ragged."
+                "current_workspace_manager", lambda: _MetaWorkspace()))
             # The draft's config is rebuilt (vLLM's ``replace``), running the
             # platform's config hook, the plugin's start-up checks in it, as
             # on a GPU (the plugin installs them on the platform it loads on)
@@ -253,6 +323,15 @@ def _worker_rank(cuda_platform, tp: int, dcp: int):
             yield
     finally:
         prefill._auto_select_mla_prefill_backend.cache_clear()
+
+
+class _MetaWorkspace:
+    """vLLM's workspace manager as a prefill backend asks it for buffers."""
+
+    @staticmethod
+    def get_simultaneous(*specs):
+        return [torch.empty(shape, dtype=dtype, device="meta")
+                for shape, dtype in specs]
 
 
 @contextlib.contextmanager
@@ -295,6 +374,39 @@ def _get_kv_cache_groups():
     return get_kv_cache_groups
 
 
+KV_CACHE_MEMORY = 8 << 30  # bytes a worker offers the KV cache (plenty)
+
+
+def engine_core_kv_cache_config(config, specs):
+    """The engine core's KV-cache plan for one worker of ``specs``: vLLM's
+    ``get_kv_cache_configs`` (grouping, page unification, block counts),
+    then the block size it sets from the groups and its
+    ``validate_block_size`` (the DCP interleave against the block size)."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    try:  # 0.34
+        from vllm.v1.core.kv_cache_planning import (
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+    except ImportError:  # 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        kv_cache_configs = get_kv_cache_configs(config, [specs], [KV_CACHE_MEMORY])
+    else:
+        kv_cache_configs = get_kv_cache_configs(
+            config, [specs], [KV_CACHE_MEMORY],
+            get_global_kv_cache_groups(config, [specs]))
+    groups = generate_scheduler_kv_cache_config(kv_cache_configs).kv_cache_groups
+    if groups:
+        sizes = [g.kv_cache_spec.block_size for g in groups
+                 if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
+        config.cache_config.block_size = min(
+            sizes or [g.kv_cache_spec.block_size for g in groups])
+    config.validate_block_size()
+    return kv_cache_configs[0]
+
+
 def build_config(flags: dict, target: Path):
     """The ``VllmConfig`` of ``flags`` for a GPU, as vLLM has it when its
     platform hook runs: the block size not yet chosen unless ``--block-size``
@@ -314,14 +426,33 @@ def build_config(flags: dict, target: Path):
     return config
 
 
+def _speculator_attn_config(config):
+    """The config the DSpark speculator builds its draft's metadata builders
+    with (vLLM's ``attn_vllm_config``: the draft's non-causal attention)."""
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    speculator = object.__new__(DSparkSpeculator)
+    speculator.vllm_config = config
+    speculator.speculative_config = config.speculative_config
+    speculator.requires_non_causal = dflash_has_any_non_causal(
+        config.speculative_config.draft_model_config.hf_config)
+    return speculator.attn_vllm_config
+
+
+def _builders_by_layer(attn_groups) -> dict[str, object]:
+    return {name: group.metadata_builders[0] for groups in attn_groups
+            for group in groups for name in group.layer_names}
+
+
 def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
     """Steps 2 and 3 on ``config`` (see the module docstring), with the
     plugin's backend overrides (``plugin``) or vLLM's own backends."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec, init_attn_backend
+    from vllm.v1.worker.cp_utils import check_attention_cp_compatibility
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
     _import_on_cpu()
@@ -341,50 +472,78 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
             assert config.speculative_config.method == "dspark"
             with mock.patch("vllm.model_executor.model_loader.get_model", get_model):
                 load_dspark_model(target, config)
+        draft_layers = set(list(config.compilation_config.static_forward_context)
+                           [num_target_layers:])
         cuda_platform.update_block_size_for_backend(config)
         with set_current_vllm_config(config):
             specs = get_kv_cache_spec(config)
             _resolve_kv_cache_layout(config, specs)
-            groups = _get_kv_cache_groups()(config, specs)
-            kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                                            kv_cache_groups=groups)
+            kv_cache_config = engine_core_kv_cache_config(config, specs)
             attn_groups, _, kernel_block_sizes = init_attn_backend(
                 kv_cache_config, config, torch.device("cpu"))
+            # The model runner's check of every layer's impl under DCP (LSE,
+            # spec decode at the interleave), the target's layers for PCP.
+            check_attention_cp_compatibility(
+                config, {name for group in kv_cache_config.kv_cache_groups
+                         for name in group.layer_names} - draft_layers)
+            draft_attn_groups = []
+            if draft_layers:
+                # The DSpark speculator's own builders (its ``set_attn``).
+                draft_config = _speculator_attn_config(config)
+                with set_current_vllm_config(draft_config):
+                    draft_attn_groups, _, _ = init_attn_backend(
+                        kv_cache_config, draft_config, torch.device("cpu"),
+                        active_layer_names=draft_layers)
     context = config.compilation_config.static_forward_context
-    builders = {name: type(group.metadata_builders[0])
-                for groups_ in attn_groups for group in groups_
-                for name in group.layer_names}
-    layers, state_layers = {}, {}
+    runner_builders = _builders_by_layer(attn_groups)
+    draft_builders = _builders_by_layer(draft_attn_groups)
+    layers, state_layers, forward_builders = {}, {}, {}
     for index, (name, layer) in enumerate(context.items()):
         if not hasattr(layer, "kv_lora_rank"):  # Kimi-K3's KDA (linear) layers
+            builder = runner_builders.get(name)
             state_layers[name] = (layer.get_attn_backend().get_name(),
-                                  builders.get(name))
+                                  None if builder is None else type(builder))
             continue
-        layers[name] = LayerStart(draft=index >= num_target_layers,
+        draft = index >= num_target_layers
+        layers[name] = LayerStart(draft=draft,
                                   backend=layer.get_attn_backend().get_name(),
                                   kv_cache_dtype=str(layer.kv_cache_dtype),
-                                  builder=builders[name])
+                                  builder=type(runner_builders[name]))
+        forward_builders[name] = (draft_builders if draft else runner_builders)[name]
     return RecipeStart(block_size=config.cache_config.block_size,
                        kernel_block_sizes=tuple(kernel_block_sizes),
                        layers=layers, state_layers=state_layers,
-                       vllm_config=config)
+                       vllm_config=config, forward_builders=forward_builders,
+                       runner_builders={name: runner_builders[name]
+                                        for name in layers})
 
 
 def recipe_config(argv, root: Path, *, dcp: int | None = None,
-                  k3_layer_indices: bool = True):
+                  k3_layer_indices: bool = True, shape: PairShape = TINY):
     """Step 1 up to the start-up checks: the ``VllmConfig`` of ``vllm serve``
-    ``argv`` (the flags after the model) for the tiny pair under ``root``."""
-    target, draft = write_tiny_k3_pair(root)
+    ``argv`` (the flags after the model) for the tiny pair of ``shape``
+    under ``root``."""
+    target, draft = write_tiny_k3_pair(root, shape)
     flags = engine_flags(serve_args(argv), target, draft, dcp=dcp,
-                         k3_layer_indices=k3_layer_indices)
+                         k3_layer_indices=k3_layer_indices, shape=shape)
     return build_config(flags, target)
 
 
+def check_on_cuda(config, major: int) -> None:
+    """The CUDA platform's config hook on ``config`` as on an sm``major``0
+    GPU, the plugin's start-up checks appended to it as the plugin installs
+    them there (the config itself was built on the CPU platform)."""
+    with as_cuda_gpu(major) as cuda_platform, _startup_checks_on(cuda_platform):
+        cuda_platform.check_and_update_config(config)
+
+
 def start_recipe(argv, major: int, root: Path, *, dcp: int | None = None,
-                 k3_layer_indices: bool = True, plugin: bool = True) -> RecipeStart:
+                 k3_layer_indices: bool = True, plugin: bool = True,
+                 shape: PairShape = TINY) -> RecipeStart:
     """Start ``vllm serve`` ``argv`` (the flags after the model) on an
     sm``major``0 GPU, at ``-dcp dcp`` if given: steps 1 to 3. Raises what
     vLLM or the plugin raises."""
-    config = recipe_config(argv, root, dcp=dcp, k3_layer_indices=k3_layer_indices)
-    check_as_gpu(config, major)
+    config = recipe_config(argv, root, dcp=dcp, k3_layer_indices=k3_layer_indices,
+                           shape=shape)
+    check_on_cuda(config, major)
     return start_config(config, major, plugin=plugin)

@@ -18,7 +18,17 @@ equal in a non-causal DSpark block), so:
   merges the two partials, reads FlashMLA's LSE layout into vLLM's and
   zeroes rows with no local key: one launch after FlashMLA's for every row.
   A draft block has no tail (every token's bound is the prefix): the same
-  launch only finishes its rows.
+  launch, built without the tail code, only finishes its rows.
+
+vLLM's scheduler cuts verify blocks short when a step's token budget runs
+out (and near ``max_model_len``), so a decode batch may be ragged: request
+``r`` has ``n_r <= s`` query tokens, ``s`` the longest. Such a batch runs on
+tiles padded to ``s`` tokens: the rows are gathered into the tiles by the
+device query offsets, a padded token repeats a real row (its output is never
+read back), FlashMLA attends every tile token over the request's prefix, and
+each row's partial is read back from its tile before the tail launch. vLLM
+captures only uniform decode batches in its CUDA graphs (``UNIFORM_BATCH``),
+so a ragged batch runs eagerly and its index tensors are made per forward.
 
 Everything is read from device tensors written once per forward into
 persistent buffers (``FlashMLARowPlanner``): no host data, nothing to go
@@ -32,8 +42,9 @@ vLLM's FLASHMLA builder does.
 The kernels are vLLM's (``vllm.v1.attention.ops.flashmla``), imported when a
 plan is made; nothing of vllm is imported at module level.
 
-Shapes: R decode requests, s query tokens per request (uniform, as FlashMLA
-requires), T = R * s rows, H heads, D = Dv + Dr (512 + 64), P pages of 64.
+Shapes: R decode requests, s query tokens per FlashMLA tile (the longest
+request's), T rows (R * s in a uniform batch), H heads, D = Dv + Dr
+(512 + 64), P pages of 64.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from typing import Any
 import torch
 
 from vllm.v1.attention.ops.dcp_decode import FlatDecode
+from vllm.v1.attention.ops.flashmla_pieces import PiecePlanner, pieces_for
 from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
 __all__ = ["FlashMLARowPlan", "FlashMLARowPlanner", "TILE_METADATA_WIDTH"]
@@ -64,7 +76,9 @@ class FlashMLARowPlan:
 
     Attributes:
         num_reqs: R, decode requests (CUDA-graph padding included).
-        query_len: s, query tokens of every request.
+        query_len: s, tokens of each request's FlashMLA tile (the longest
+            request's query length).
+        num_rows: T, the forward's decode query rows (R * s when uniform).
         causal: a speculative verify block (tails); False: a DSpark block.
         block_table: int32 [R, B] local block table of the requests.
         prefix_lens: int32 [R] local keys every token of the request sees.
@@ -83,10 +97,19 @@ class FlashMLARowPlan:
         kv_lora_rank: Dv, the value (latent) width; the rest of D is rope.
         planned_forward_id: the ``DCPDecodeMetadata.forward_id`` planned.
         planner: the planner whose persistent buffers the plan reads.
+        tile_rows: int64 [R * s] the row each tile token reads its query
+            from (a padded token repeats a real row); None when uniform.
+        row_tiles: int64 [T] the tile token each row's partial is read
+            back from; None when uniform.
+        pieces: N, pieces of each request's prefix FlashMLA attends as
+            requests of their own (``flashmla_pieces``: a lone bf16 request;
+            else 1); ``piece_table`` int32 [R * N, B] / ``piece_lens`` int32
+            [R * N] their block table and keys (None with one piece).
     """
 
     num_reqs: int
     query_len: int
+    num_rows: int
     causal: bool
     block_table: torch.Tensor
     prefix_lens: torch.Tensor
@@ -98,10 +121,11 @@ class FlashMLARowPlan:
     kv_lora_rank: int
     planned_forward_id: int
     planner: "FlashMLARowPlanner"
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_reqs * self.query_len
+    tile_rows: torch.Tensor | None = None
+    row_tiles: torch.Tensor | None = None
+    pieces: int = 1
+    piece_table: torch.Tensor | None = None
+    piece_lens: torch.Tensor | None = None
 
     @property
     def is_current(self) -> bool:
@@ -130,12 +154,17 @@ class FlashMLARowPlan:
         if num_rows != self.num_rows:
             raise ValueError(
                 f"FLASHMLA under DCP planned {self.num_rows} rows "
-                f"({self.num_reqs} requests x {self.query_len}), the layer "
-                f"runs {num_rows}")
+                f"({self.num_reqs} requests, tiles of {self.query_len}), the "
+                f"layer runs {num_rows}")
         ops = _flashmla_ops()
-        q_tiles = q.view(self.num_reqs, self.query_len, num_heads, q.shape[-1])
+        q_tiles = q if self.tile_rows is None else _gather_rows(q, self.tile_rows)
+        q_tiles = q_tiles.view(self.num_reqs, self.query_len, num_heads, q.shape[-1])
         cache = kv_cache.unsqueeze(-2)  # FlashMLA's one KV head
         head_dim_v = self.kv_lora_rank
+        block_table, prefix_lens = self.block_table, self.prefix_lens
+        if self.pieces > 1:  # one q seen by every piece (batch stride 0)
+            q_tiles = q_tiles.expand(self.pieces, *q_tiles.shape[1:])
+            block_table, prefix_lens = self.piece_table, self.piece_lens
         if self.fp8:
             tile_metadata, num_splits = self.sched_meta
             out, lse = ops.flash_mla_with_kvcache_fp8(
@@ -146,20 +175,32 @@ class FlashMLARowPlan:
                 descale_q=q_scale.reshape(1), descale_k=k_scale.reshape(1))
         else:
             out, lse = ops.flash_mla_with_kvcache(
-                q=q_tiles, k_cache=cache, block_table=self.block_table,
-                cache_seqlens=self.prefix_lens, head_dim_v=head_dim_v,
+                q=q_tiles, k_cache=cache, block_table=block_table,
+                cache_seqlens=prefix_lens, head_dim_v=head_dim_v,
                 tile_scheduler_metadata=self.sched_meta, softmax_scale=sm_scale,
                 causal=False)
-        out = out.view(num_rows, num_heads, head_dim_v)
+        pieces_out = pieces_lens = lse_tiles = None
+        if self.row_tiles is not None:  # ragged: each row's partial from its tile
+            tiles = self.num_reqs * self.query_len
+            out = out.view(tiles, num_heads, head_dim_v).index_select(0, self.row_tiles)
+            lse_rows = lse.transpose(1, 2).reshape(tiles, num_heads).index_select(
+                0, self.row_tiles)
+        else:
+            lse_rows = lse.new_empty(num_rows, num_heads)
+            lse_tiles = lse  # read by the launch in FlashMLA's [R, H, s]
+            if self.pieces > 1:  # merged into a new out by the launch below
+                pieces_out, pieces_lens = out, self.piece_lens
+                out = out.new_empty(num_rows, num_heads, head_dim_v)
+            out = out.view(num_rows, num_heads, head_dim_v)
         # One launch finishes every row: the verify tails merged, the LSE
         # read from FlashMLA's [R, H, s] into vLLM's [T, H], rows with no
         # local key (padding included) out 0 and LSE -inf.
-        lse_rows = lse.new_empty(num_rows, num_heads)
         tail_merge(q, kv_cache, self.rows.block_table[:num_rows],
                    self.rows.seq_lens[:num_rows], self.row_prefix_lens[:num_rows],
-                   out, lse_rows, sm_scale=sm_scale, lse_in_base2=False, lse_in=lse,
-                   q_scale=q_scale if self.fp8 else None,
-                   k_scale=k_scale if self.fp8 else None, keys_per_step=16)
+                   out, lse_rows, sm_scale=sm_scale, lse_in_base2=False,
+                   lse_in=lse_tiles, q_scale=q_scale if self.fp8 else None,
+                   k_scale=k_scale if self.fp8 else None, keys_per_step=16,
+                   has_tails=self.causal, out_in=pieces_out, piece_lens=pieces_lens)
         return out, lse_rows
 
 
@@ -193,35 +234,53 @@ class FlashMLARowPlanner:
         self._row_prefix_lens = torch.zeros(max_rows, **i32)
         self._tile_metadata = torch.zeros(num_sms, TILE_METADATA_WIDTH, **i32)
         self._num_splits = torch.zeros(max_reqs + 1, **i32)
+        self._num_sms = num_sms
+        self._pieces = PiecePlanner(device)
 
-    def plan(self, rows: FlatDecode, block_table: torch.Tensor, *, num_reqs: int,
+    def plan(self, rows: FlatDecode, block_table: torch.Tensor, *,
+             query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor,
              num_rows: int, causal: bool, forward_id: int) -> FlashMLARowPlan:
         """This forward's plan.
 
         Args:
             rows: the forward's rows (``seq_lens`` [>= T] on the device: each
-                query token's local bound, 0 on padding rows).
+                query token's local bound, 0 on padding rows; ``row_to_req``).
             block_table: int32 [R, B] local block table of the requests.
-            num_reqs: R; num_rows: T, a multiple of R (uniform requests).
+            query_start_loc: int32 [R + 1] the requests' query offsets on the
+                device (what the rows were built from).
+            query_start_loc_cpu: the same offsets on the host (exact: the
+                rows refuse host/device query-length mismatches); they choose
+                the tile length s and whether the batch is uniform.
+            num_rows: T, the decode query rows (CUDA-graph padding included).
             causal: verify (tails) or a DSpark block.
             forward_id: the metadata's ``forward_id``.
         """
-        if num_reqs < 1 or num_rows % num_reqs:
+        offsets = query_start_loc_cpu.tolist()
+        num_reqs = len(offsets) - 1
+        query_lens = [end - start for start, end in zip(offsets, offsets[1:])]
+        query_len = max(query_lens, default=0)
+        if num_reqs < 1 or query_len < 1 or num_rows > num_reqs * query_len:
             raise ValueError(
-                f"FLASHMLA decodes uniform requests: {num_rows} query rows do "
-                f"not split evenly over {num_reqs} requests")
+                f"FLASHMLA under DCP: {num_rows} query rows do not fit "
+                f"{num_reqs} requests of at most {query_len} tokens")
         if num_reqs > self._prefix_lens.shape[0] or num_rows > self._row_prefix_lens.shape[0]:
             raise ValueError(
                 f"FLASHMLA under DCP: {num_reqs} requests / {num_rows} rows exceed "
                 f"the buffers sized at start-up ({self._prefix_lens.shape[0]} / "
                 f"{self._row_prefix_lens.shape[0]}): raise --max-num-seqs")
-        query_len = num_rows // num_reqs
         self.planned_forward_id = forward_id
         prefix = self._prefix_lens[:num_reqs]
-        # The first token's bound is the least of the request's tokens'.
-        prefix.copy_(rows.seq_lens[:num_rows].view(num_reqs, query_len)[:, 0])
         row_prefix = self._row_prefix_lens[:num_rows]
-        row_prefix.view(num_reqs, query_len).copy_(prefix[:, None].expand(-1, query_len))
+        tile_rows = row_tiles = None
+        if num_rows == num_reqs * query_len and _tiles_are_rows(query_lens, query_len):
+            # The first token's bound is the least of the request's tokens'.
+            prefix.copy_(rows.seq_lens[:num_rows].view(num_reqs, query_len)[:, 0])
+            row_prefix.view(num_reqs, query_len).copy_(
+                prefix[:, None].expand(-1, query_len))
+        else:
+            tile_rows, row_tiles = _ragged_tiles(rows, query_start_loc, prefix,
+                                                 row_prefix, query_len=query_len,
+                                                 num_reqs=num_reqs, num_rows=num_rows)
         ops = _flashmla_ops()
         kernel_lens = prefix
         if self.fp8:
@@ -238,10 +297,65 @@ class FlashMLARowPlanner:
             sched_meta = (self._tile_metadata[:parts], self._num_splits[:num_reqs + 1])
         else:
             sched_meta = ops.get_mla_metadata()[0]
+        pieces = 1 if tile_rows is not None else pieces_for(
+            num_reqs=num_reqs, fp8=self.fp8, rows_per_request=query_len * self.num_heads,
+            num_sms=self._num_sms)
+        piece_table = piece_lens = None
+        if pieces > 1:
+            piece_table, piece_lens = self._pieces.plan(prefix, block_table, pieces)
         return FlashMLARowPlan(
-            num_reqs=num_reqs, query_len=query_len, causal=causal,
+            num_reqs=num_reqs, query_len=query_len, num_rows=num_rows, causal=causal,
             block_table=block_table, prefix_lens=prefix, kernel_lens=kernel_lens,
             rows=rows,
             row_prefix_lens=row_prefix, sched_meta=sched_meta, fp8=self.fp8,
             kv_lora_rank=self.kv_lora_rank, planned_forward_id=forward_id,
-            planner=self)
+            planner=self, tile_rows=tile_rows, row_tiles=row_tiles, pieces=pieces,
+            piece_table=piece_table, piece_lens=piece_lens)
+
+
+def _tiles_are_rows(query_lens: list[int], query_len: int) -> bool:
+    """Whether row ``r * s + t`` is token ``t`` of request ``r``: every
+    request has ``s`` tokens, but for zero-length padding requests after
+    the last real one (a padded CUDA-graph batch, whose padding rows are
+    empty)."""
+    num_real = sum(1 for n in query_lens if n)
+    return all(n == query_len for n in query_lens[:num_real]) and not any(
+        query_lens[num_real:])
+
+
+def _ragged_tiles(rows: FlatDecode, query_start_loc: torch.Tensor,
+                  prefix: torch.Tensor, row_prefix: torch.Tensor, *,
+                  query_len: int, num_reqs: int, num_rows: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiles of ``query_len`` tokens for a ragged batch, from device offsets.
+
+    Writes ``prefix`` [R] (the request's first row's bound; 0 for a request
+    with no query token) and ``row_prefix`` [T] (0 on padding rows, whose
+    bound is 0). Returns ``(tile_rows [R * s], row_tiles [T])``, int64: the
+    row a tile token reads its query from (a padded token repeats a row) and
+    the tile token a row is read back from (any, for a padding row: the tail
+    launch zeroes it).
+    """
+    device = query_start_loc.device
+    starts = query_start_loc[:num_reqs].long()
+    query_lens = query_start_loc[1:num_reqs + 1].long() - starts
+    first_rows = starts.clamp(max=num_rows - 1)
+    torch.where(query_lens > 0, rows.seq_lens[first_rows],
+                torch.zeros_like(prefix), out=prefix)
+    tokens = torch.arange(query_len, device=device)
+    tile_rows = (starts[:, None] + tokens).clamp_(max=num_rows - 1).view(-1)
+    row_req = rows.row_to_req[:num_rows].long()
+    row_tiles = (row_req * query_len + torch.arange(num_rows, device=device)
+                 - starts[row_req]).clamp_(max=num_reqs * query_len - 1)
+    # A real row's bound is at least its request's prefix; a padding row's is 0.
+    torch.minimum(prefix.index_select(0, row_req), rows.seq_lens[:num_rows],
+                  out=row_prefix)
+    return tile_rows, row_tiles
+
+
+def _gather_rows(q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``q[index]`` along rows; fp8 moved as bytes (index kernels need not
+    take float8 dtypes)."""
+    if q.element_size() == 1:
+        return q.view(torch.uint8).index_select(0, index).view(q.dtype)
+    return q.index_select(0, index)

@@ -37,6 +37,13 @@ KERNEL_BLOCK_SIZES = {FLASHINFER_MLA: (32, 64), TOKENSPEED_MLA: (32, 64),
                       FLASH_ATTN_MLA: (16, 64)}
 
 
+# vLLM's hybrid alignment (``Platform._align_hybrid_block_size``): an MLA
+# model with recurrent-state layers (Kimi-K3's KDA) gets a block size that is
+# a multiple of 128 (and at least the one it had), so that the attention
+# page covers the state's; it may override --block-size.
+HYBRID_MLA_BLOCK_ALIGNMENT = 128
+
+
 def default_block_size(backend: str) -> int:
     """The block size vLLM gives ``backend`` without --block-size: vLLM's
     default (16 in 0.32, 64 in 0.34) if the kernel takes it, else the
@@ -48,12 +55,65 @@ def default_block_size(backend: str) -> int:
     return default if default in sizes else min(sizes)
 
 
-def backend_block_size(backend: str, block_size: int | None) -> int:
+def aligns_hybrid_block_size(vllm_config) -> bool:
+    """Whether vLLM aligns this model's block size for its recurrent-state
+    layers (``HYBRID_MLA_BLOCK_ALIGNMENT``): a hybrid MLA model (GPU platforms;
+    vLLM's CPU platform fixes MLA's block size itself)."""
+    model = getattr(vllm_config, "model_config", None)
+    return bool(model is not None and model.use_mla
+                and getattr(model, "is_hybrid", False))
+
+
+def backend_block_size(backend: str, block_size: int | None,
+                       vllm_config=None) -> int:
     """The block size vLLM pages ``backend`` with, from the ``block_size``
     its selector passes (``--block-size`` if given, else None: the config
     then still holds CacheConfig's provisional default, and a worker later
-    gives the backend ``default_block_size``)."""
+    gives the backend ``default_block_size``).
+
+    For a hybrid MLA model (``vllm_config``, ``aligns_hybrid_block_size``)
+    the size vLLM's alignment then sets, which is a multiple of the value
+    returned: that, not the provisional or a smaller --block-size, is what
+    the layers are paged with, whatever the selector passed.
+    """
+    if vllm_config is not None and aligns_hybrid_block_size(vllm_config):
+        return hybrid_aligned_block_size(block_size)
     return default_block_size(backend) if block_size is None else block_size
+
+
+def hybrid_aligned_block_size(block_size: int | None) -> int:
+    """The block size vLLM's hybrid alignment leaves ``block_size`` at."""
+    return max(block_size or 0, HYBRID_MLA_BLOCK_ALIGNMENT)
+
+
+def selection_block_size(block_size: int | None) -> int | None:
+    """The block size a DCP backend's selection judges for the current
+    config: ``backend_block_size``'s under DCP for a hybrid MLA model (the
+    selector passes the provisional 16 of a draft's rebuilt cache config as
+    if given, and None elsewhere), else the selector's own."""
+    from vllm.config import get_current_vllm_config
+
+    from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
+
+    vllm_config = get_current_vllm_config()
+    if current_dcp_size() > 1 and aligns_hybrid_block_size(vllm_config):
+        return hybrid_aligned_block_size(block_size)
+    return block_size
+
+
+class PagedBlockSizeSelection:
+    """Mixin for a DCP backend class (first in its bases): vLLM's selection
+    (``validate_configuration``) judges the block size the layers will be
+    paged with, ``selection_block_size``: under DCP vLLM's hybrid alignment
+    for Kimi-K3 (KDA layers), not the provisional size a DSpark draft's
+    rebuilt cache config passes."""
+
+    @classmethod
+    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size,
+                               *args, **kwargs) -> list[str]:
+        return super().validate_configuration(  # type: ignore[misc]
+            head_size, dtype, kv_cache_dtype, selection_block_size(block_size),
+            *args, **kwargs)
 
 
 def _dcp_divides_tp(s: DCPSetting) -> list[str]:
@@ -86,7 +146,9 @@ def _layout_problems(s: DCPSetting) -> list[str]:
     if not _interleave_divides_block(s):
         problems.append(
             f"--cp-kv-cache-interleave-size {s.interleave} must divide "
-            f"--block-size {s.block_size}: change one of the two flags.")
+            f"the KV-cache block size, {s.block_size} here: pass --block-size "
+            f"a multiple of {s.interleave}, or a smaller "
+            "--cp-kv-cache-interleave-size.")
     return problems
 
 

@@ -20,10 +20,15 @@ import torch
 from vllm.distributed.parallel_state import get_dcp_group
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonDecodeMetadata,
+    QueryLenSupport,
 )
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 from vllm.v1.attention.backends.mla.dcp_epilogue import route_combines_through_rows
-from vllm.v1.attention.backends.mla.dcp_settings import DCPSetting
+from vllm.v1.attention.backends.mla.dcp_settings import (
+    DCPSetting,
+    kv_split_over_dcp,
+    layer_roles,
+)
 from vllm.v1.attention.ops import dcp_decode
 from vllm.v1.attention.ops.dcp_decode import DCPLayout, FlatDecode
 
@@ -83,9 +88,11 @@ class DCPDecodeBuilderMixin:
     Put it first in the bases: ``class B(DCPDecodeBuilderMixin, XBuilder)``.
     With DCP size 1 the builder's own decode metadata is returned unchanged,
     unless ``rows_without_dcp`` is set (a kernel that only runs on rows).
-    Where it builds rows it reads the group's ``DCPSetting`` once, checks it
-    (``dcp_backend``) and, under DCP, routes the layers' combines through the
-    rows' empty mask (``dcp_epilogue``).
+    Where it builds rows it reads once the ``DCPSetting`` of the forwards it
+    builds (the target's, or the draft's: ``is_draft_group``), checks the
+    setting of each model whose layers it serves (``dcp_backend``; vLLM may
+    group target and draft layers together) and, under DCP, routes the
+    layers' combines through the rows' empty mask (``dcp_epilogue``).
     The flattened rows are written into persistent buffers allocated at
     init from vLLM's bounds (decode tokens of a full batch x the block-table
     width vLLM uses for this cache), so a CUDA graph captured over ``build``
@@ -101,6 +108,14 @@ class DCPDecodeBuilderMixin:
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device,
                  *args, **kwargs) -> None:
+        if kv_split_over_dcp(kv_cache_spec, vllm_config):
+            # Per builder (as vLLM's ROCm AITER MLA builder sets it), read by
+            # the base __init__ and every build's decode/prefill split: the
+            # rows decode any mix of speculative block lengths, a verify
+            # block cut short by the token budget included. UNIFORM would
+            # hand a short block to the prefill path, which sizes its context
+            # from the host's upper bound of the sequence length.
+            self.query_len_support = QueryLenSupport.VARLEN  # type: ignore[misc]
         super().__init__(kv_cache_spec, layer_names, vllm_config, device,
                          *args, **kwargs)
         self._init_dcp_rows(layer_names)
@@ -117,10 +132,18 @@ class DCPDecodeBuilderMixin:
         self.dcp_setting: DCPSetting | None = None
         if self.dcp_world_size > 1 or self.rows_without_dcp:
             rank = get_dcp_group().rank_in_group if self.dcp_world_size > 1 else 0
-            setting = DCPSetting.for_builder(self, layer_names,
-                                             checks.current_gpu_major(), rank)
+            gpu_major = checks.current_gpu_major()
+            setting = DCPSetting.for_builder(self, layer_names, gpu_major, rank)
             if self.dcp_backend is not None:
-                checks.raise_if_unsupported(self.dcp_backend, setting)
+                # Each layer's model's own setting (verify of 1 + k, or the
+                # draft's block), also where vLLM grouped both models' layers.
+                for draft in {setting.draft, *layer_roles(self.vllm_config,
+                                                          layer_names)}:
+                    checks.raise_if_unsupported(
+                        self.dcp_backend,
+                        setting if draft == setting.draft else
+                        DCPSetting.for_builder(self, layer_names, gpu_major,
+                                               rank, draft=draft))
             self.dcp_setting = setting
             self._dcp_rows = dcp_decode.alloc_flat_decode(
                 setting.row_capacity, setting.block_table_width, self.device)

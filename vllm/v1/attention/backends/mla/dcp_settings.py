@@ -94,28 +94,50 @@ def model_kv_cache_dtype(vllm_config, draft: bool) -> str:
 
 
 def decodes_non_causal_block(vllm_config, layer_names) -> bool:
-    """Whether a KV-cache group's layers decode a DSpark draft's non-causal
-    block (vLLM marks them ``non_causal_multi_token_decode``)."""
+    """Whether any of ``layer_names`` decodes a DSpark draft's non-causal
+    block (vLLM marks such layers ``non_causal_multi_token_decode``)."""
     ctx = vllm_config.compilation_config.static_forward_context
     return any(getattr(ctx.get(name), "non_causal_multi_token_decode", False)
                for name in layer_names)
 
 
-def is_draft_group(vllm_config, layer_names) -> bool:
-    """Whether a KV-cache group's layers are the draft model's: a non-causal
-    block, a non-causal drafter's attention config (DFlash, DSpark:
-    ``DFlashSpeculator.attn_vllm_config``), or layer indices past the
-    target's (``draft_layer_indices``)."""
-    if decodes_non_causal_block(vllm_config, layer_names):
-        return True
-    if getattr(vllm_config.attention_config, "use_non_causal", False):
+def is_draft_layer(vllm_config, layer_name: str) -> bool:
+    """Whether one attention layer is the draft model's: it decodes a
+    non-causal block, vLLM's speculator marked it (``is_draft_layer``), or
+    its index is past the target's (``draft_layer_indices``)."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    if getattr(layer, "non_causal_multi_token_decode", False) or getattr(
+            layer, "is_draft_layer", False):
         return True
     if vllm_config.speculative_config is None:
         return False
-    first_draft_layer = vllm_config.model_config.get_total_num_hidden_layers()
-    indices = [re.search(r"layers\.(\d+)\.", name) for name in layer_names]
-    return (bool(indices) and all(indices)
-            and min(int(m.group(1)) for m in indices) >= first_draft_layer)
+    index = re.search(r"layers\.(\d+)\.", layer_name)
+    return (index is not None and int(index.group(1))
+            >= vllm_config.model_config.get_total_num_hidden_layers())
+
+
+def is_draft_group(vllm_config, layer_names) -> bool:
+    """Whether a metadata builder over ``layer_names`` builds the draft
+    model's forwards: a non-causal drafter's attention config (DFlash,
+    DSpark: the builders ``DFlashSpeculator.attn_vllm_config`` makes), or
+    every layer the draft's (``is_draft_layer``).
+
+    A builder over target and draft layers together (vLLM puts both models'
+    MLA layers in one KV-cache group when their specs merge, and one builder
+    serves a group's layers of one backend) is the target runner's: it
+    builds the target's forwards only, the speculator building the draft's
+    with its own builders. Its setting is the target's."""
+    if getattr(vllm_config.attention_config, "use_non_causal", False):
+        return True
+    return bool(layer_names) and all(is_draft_layer(vllm_config, name)
+                                     for name in layer_names)
+
+
+def layer_roles(vllm_config, layer_names) -> tuple[bool, ...]:
+    """The models (False: the target, True: the draft) whose layers are
+    among ``layer_names``, in that order."""
+    drafts = {is_draft_layer(vllm_config, name) for name in layer_names}
+    return tuple(sorted(drafts))
 
 
 @dataclass(frozen=True)
@@ -173,9 +195,11 @@ class DCPSetting:
 
     @classmethod
     def for_builder(cls, builder, layer_names: list[str], gpu_major: int | None,
-                    dcp_rank: int) -> "DCPSetting":
-        """The setting of an ``MLACommonMetadataBuilder``'s KV-cache group
-        (``layer_names``), seen from ``dcp_rank``.
+                    dcp_rank: int, *, draft: bool | None = None) -> "DCPSetting":
+        """The setting of the forwards an ``MLACommonMetadataBuilder`` over
+        ``layer_names`` builds (the draft's or the target's:
+        ``is_draft_group``; or ``draft`` if given: the setting of that
+        model's layers among them), seen from ``dcp_rank``.
 
         Read after the base ``__init__``: its DCP size (1 for a cache every
         rank holds whole, vLLM >= 0.33), interleave, head count and reorder
@@ -183,9 +207,9 @@ class DCPSetting:
         """
         vllm_config = builder.vllm_config
         dcp_size = builder.dcp_world_size
-        setting = cls.from_vllm_config(
-            vllm_config, gpu_major,
-            draft=is_draft_group(vllm_config, layer_names))
+        if draft is None:
+            draft = is_draft_group(vllm_config, layer_names)
+        setting = cls.from_vllm_config(vllm_config, gpu_major, draft=draft)
         query_len_bound = max(1 + setting.num_speculative_tokens,
                               builder.reorder_batch_threshold or 1)
         return dataclasses.replace(

@@ -14,6 +14,11 @@ On CPU, at any ``-dcp``: DSpark (and any feature only Model Runner V2 has)
 without ``VLLM_DCP_CPU_MRV2=1``, which vLLM refuses anyway, is refused
 naming that switch.
 
+On CUDA, at any ``-dcp``: Kimi-K3 over a plain fp8 KV cache on sm100
+without the fp8 prefill query its prefill needs
+(``k3_fp8_prefill.prefill_query_problem``), which vLLM would start and then
+fail at the first prompt, is refused naming ``--attention-config``.
+
 Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
   * CPU: the MLA backend vLLM's own selector picks (``CPU_MLA``, the one
     this patch gives DCP, or ``AMX_MLA`` on CPUs with AMX tiles unless
@@ -22,11 +27,18 @@ Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
   * CUDA: the backends of ``checks.NAMED_CUDA_BACKENDS`` (FLASHINFER_MLA,
     TOKENSPEED_MLA, FLASHMLA, FLASH_ATTN_MLA) when named by
     ``--attention-backend`` or the draft's ``attention_backend`` in
-    ``--speculative-config``, with the block size vLLM will pick for them
-    (read off a table: importing their kernels here would touch the GPU),
-    for each model's layers with the KV dtype vLLM builds them with
-    (``dcp_settings.model_kv_cache_dtype``).
-  * Any platform: the interleave against an explicit ``--block-size``.
+    ``--speculative-config``, with the block size vLLM will page them with
+    (``checks.backend_block_size``: vLLM's hybrid alignment for Kimi-K3,
+    else the kernels' sizes, read off a table: importing their kernels here
+    would touch the GPU), for each model's layers with the KV dtype vLLM
+    builds them with (``dcp_settings.model_kv_cache_dtype``).
+  * CUDA, sm90 / sm100: a DSpark draft with a KV dtype of its own, vLLM's
+    choice of backend and no ``--block-size`` on a model vLLM does not
+    align: its selector would give the draft TRITON_MLA
+    (``_refuse_provisional_draft_block``); on Kimi-K3 (hybrid) the DCP
+    backends' selection judges the aligned block size instead.
+  * Any platform: the interleave against an explicit ``--block-size`` (as
+    vLLM's alignment will leave it).
 A backend vLLM picks by itself on CUDA is known only inside the workers;
 there the backends' selection hooks and builders check it.
 """
@@ -36,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+from vllm.v1.attention.backends.mla import k3_fp8_prefill
 
 _MARK = "_dcp_dspark_startup_checks"
 
@@ -141,7 +154,8 @@ def _block_size_for(vllm_config, choice: _BackendChoice) -> int:
     explicit = cache.user_specified_block_size or (
         choice.draft and getattr(spec, "kv_cache_dtype", None) is not None)
     return checks.backend_block_size(choice.name,
-                                     cache.block_size if explicit else None)
+                                     cache.block_size if explicit else None,
+                                     vllm_config)
 
 
 def _check_cpu_switches(vllm_config) -> None:
@@ -176,6 +190,12 @@ def check_vllm_config(vllm_config) -> None:
 
     if current_platform.is_cpu():
         _check_cpu_switches(vllm_config)
+    else:
+        # At any -dcp: vLLM would start and fail the first prompt.
+        problem = k3_fp8_prefill.prefill_query_problem(
+            vllm_config, checks.current_gpu_major())
+        if problem is not None:
+            raise ValueError(problem)
     parallel = vllm_config.parallel_config
     model = vllm_config.model_config
     if (parallel.decode_context_parallel_size == 1 or model is None
@@ -192,9 +212,43 @@ def check_vllm_config(vllm_config) -> None:
         checks.raise_if_unsupported(
             choice.name, dataclasses.replace(setting, block_size=block_size),
             chosen_by=choice.chosen_by, kernel_blocks=True)
+    if not current_platform.is_cpu():
+        _refuse_provisional_draft_block(vllm_config, gpu_major)
     if not choices and vllm_config.cache_config.user_specified_block_size:
-        checks.raise_if_layout_unsupported(
-            checks.DCPSetting.from_vllm_config(vllm_config, gpu_major))
+        setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major)
+        if not current_platform.is_cpu() and checks.aligns_hybrid_block_size(
+                vllm_config):
+            setting = dataclasses.replace(setting, block_size=(
+                checks.hybrid_aligned_block_size(setting.block_size)))
+        checks.raise_if_layout_unsupported(setting)
+
+
+def _refuse_provisional_draft_block(vllm_config, gpu_major: int | None) -> None:
+    """A DSpark draft with a KV dtype of its own and vLLM's choice of
+    backend, without --block-size, on a model vLLM does not align (not
+    hybrid): vLLM's DSpark loader rebuilds the draft's cache config passing
+    the provisional block size as if given, and where the kernels of the
+    fast paths (FLASHMLA on sm90, FLASHINFER_MLA / TOKENSPEED_MLA on sm100)
+    do not page by it, vLLM's selector silently gives the draft TRITON_MLA.
+    """
+    from vllm.config.cache import CacheConfig
+
+    spec = vllm_config.speculative_config
+    provisional = CacheConfig.DEFAULT_BLOCK_SIZE
+    if (spec is None or spec.method != "dspark"
+            or getattr(spec, "kv_cache_dtype", None) is None
+            or spec.attention_backend is not None
+            or vllm_config.cache_config.user_specified_block_size
+            or checks.aligns_hybrid_block_size(vllm_config)
+            or gpu_major not in (9, 10)
+            or provisional % max(checks.KERNEL_BLOCK_SIZES[checks.FLASHMLA]) == 0):
+        return
+    raise ValueError(
+        f'The DSpark draft\'s own "kv_cache_dtype" in --speculative-config '
+        f"makes vLLM select the draft's attention backend at block size "
+        f"{provisional} (its loader passes the provisional size as given), "
+        "which no fast DCP backend on this GPU pages by: vLLM would silently "
+        "run the draft on TRITON_MLA. Pass --block-size 64.")
 
 
 def install() -> None:

@@ -79,6 +79,12 @@ def _on_cpu() -> str | None:
     return None if current_platform.is_cpu() else "not the CPU platform"
 
 
+def _on_cuda() -> str | None:
+    from vllm.platforms import current_platform
+
+    return None if current_platform.is_cuda() else "not the CUDA platform"
+
+
 def _on_cpu_without_triton() -> str | None:
     from vllm.triton_utils import HAS_TRITON
 
@@ -210,6 +216,16 @@ TOUCHES: tuple[Touch, ...] = (
              "builds its config",
         installed_by=PLUGIN, install=f"{_MLA}.dcp_startup_checks:install"),
     Touch(
+        name="k3_fp8_prefill_bf16_query",
+        target="vllm.models.kimi_k3.nvidia.mla.MultiHeadLatentAttention."
+               "_forward_prefill_fused",
+        change=REPLACES,
+        what="Kimi-K3's prefill over a plain fp8 cache with a bf16 query "
+             "(k3_fp8_prefill.forward_prefill_bf16_query) where vLLM's fails "
+             "for want of an fp8 query: off device capability 10.x",
+        installed_by=PLUGIN, applies=_on_cuda,
+        install=f"{_MLA}.k3_fp8_prefill:install"),
+    Touch(
         name="cpu_mrv2_q_concat_op",
         target="torch.ops._C.fused_kimi_k3_mla_decode_q_concat_kv_cache_insert",
         change=ADDS,
@@ -290,6 +306,15 @@ TOUCHES: tuple[Touch, ...] = (
         change=READS,
         what="dcp_compat.current_dcp_size outside a config context (private: "
              "get_dcp_group() asserts)",
+        installed_by=NOBODY),
+    Touch(
+        name="hybrid_mla_block_alignment",
+        target="vllm.platforms.interface.Platform._align_hybrid_block_size",
+        change=READS,
+        what="dcp_config_checks.HYBRID_MLA_BLOCK_ALIGNMENT: its rule (a hybrid "
+             "MLA model's block size a multiple of 128, overriding "
+             "--block-size), which the start-up and selection checks judge "
+             "a layer's block size by",
         installed_by=NOBODY),
     Touch(
         name="triton_dispatcher_registry",

@@ -220,7 +220,7 @@ class FlashInferDCPMLAImpl(FlashInferMLAImpl):
         return out.view(num_rows, q.shape[1], -1), lse.view(num_rows, q.shape[1])
 
 
-class FlashInferDCPMLABackend(FlashInferMLABackend):
+class FlashInferDCPMLABackend(checks.PagedBlockSizeSelection, FlashInferMLABackend):
     """``FLASHINFER_MLA`` with DCP x DSpark rows; sm90 and sm100."""
 
     @staticmethod
@@ -261,7 +261,7 @@ class FlashInferDCPMLABackend(FlashInferMLABackend):
             setting = dataclasses.replace(
                 setting,
                 block_size=checks.backend_block_size(checks.FLASHINFER_MLA,
-                                                     block_size),
+                                                     block_size, vllm_config),
                 kv_cache_dtype=(setting.kv_cache_dtype if kv_cache_dtype is None
                                 else str(kv_cache_dtype)))
             problems = checks.flashinfer_problems(setting)

@@ -28,7 +28,6 @@ from typing import ClassVar
 import torch
 
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
 from vllm.utils.platform_utils import num_compute_units
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
@@ -120,7 +119,8 @@ class FlashMLADCPMetadataBuilder(DCPDecodeBuilderMixin, FlashMLAMetadataBuilder)
         if isinstance(decode, DCPDecodeMetadata):
             decode.plan = self._flashmla_rows.plan(
                 decode.flat, block_table_tensor,
-                num_reqs=query_start_loc_cpu.shape[0] - 1,
+                query_start_loc=query_start_loc_device,
+                query_start_loc_cpu=query_start_loc_cpu,
                 num_rows=num_decode_tokens, causal=decode.causal,
                 forward_id=decode.forward_id)
         return decode
@@ -176,7 +176,7 @@ class FlashMLADCPImpl(FlashMLAImpl):
         return out, (lse if self.need_to_return_lse_for_decode else None)
 
 
-class FlashMLADCPBackend(FlashMLABackend):
+class FlashMLADCPBackend(checks.PagedBlockSizeSelection, FlashMLABackend):
     """``FLASHMLA`` with DCP x DSpark rows (sm90)."""
 
     @staticmethod

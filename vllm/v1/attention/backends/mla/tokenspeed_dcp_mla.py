@@ -41,7 +41,12 @@ from vllm.v1.attention.backends.mla.tokenspeed_mla import (
 
 
 class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetadataBuilder):
-    """Tokenspeed builder that fills the DCP rows once per forward."""
+    """Tokenspeed builder that fills the DCP rows once per forward.
+
+    Under DCP its decode batches are ``VARLEN`` (``DCPDecodeBuilderMixin``):
+    a verify block cut short by the token budget decodes on the rows (the
+    impl's per-row path).
+    """
 
     dcp_backend = checks.TOKENSPEED_MLA
 
@@ -128,7 +133,7 @@ class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
         return finish_rows_decode(self, out, lse, decode.flat)
 
 
-class TokenspeedDCPMLABackend(TokenspeedMLABackend):
+class TokenspeedDCPMLABackend(checks.PagedBlockSizeSelection, TokenspeedMLABackend):
     """``TOKENSPEED_MLA`` reading the per-forward DCP metadata; sm100 only."""
 
     @classmethod
@@ -137,12 +142,11 @@ class TokenspeedDCPMLABackend(TokenspeedMLABackend):
         ragged, host ones even) is refused, so the selector picks another
         backend and a forced ``TOKENSPEED_MLA`` fails its config check.
 
-        The builder is ``QueryLenSupport.UNIFORM``: vLLM splits decodes from
-        prefills on the host offsets requiring uniform decodes, so an uneven
-        host spread ([4, 4, 3, 3]) turns verify requests into prefills whose
-        offsets do not hold on the device; and its ``UNIFORM_BATCH`` CUDA
-        graphs cannot replay ragged batches (vLLM's adaptive verification
-        refuses them at start-up anyway). With DCP 1 the answer is upstream's.
+        The builder splits decodes from prefills on the host offsets, and
+        its ``UNIFORM_BATCH`` CUDA graphs cannot replay a batch whose device
+        offsets are ragged while the host's are even (vLLM's adaptive
+        verification refuses them at start-up anyway). With DCP 1 the
+        answer is upstream's.
         """
         if current_dcp_size() > 1:
             return False

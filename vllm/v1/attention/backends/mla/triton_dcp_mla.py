@@ -36,10 +36,7 @@ import torch
 
 import vllm.envs as envs
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.attention.mla_attention import (
-    MLACommonMetadata,
-    QueryLenSupport,
-)
+from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
@@ -85,9 +82,6 @@ class TritonDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TritonMLAMetadataBuilde
         # Read by the base __init__ (reorder threshold, DSpark validation,
         # upstream's workspace reservation), so set before it runs.
         self._dcp_rows_enabled = kv_split_over_dcp(kv_cache_spec, vllm_config)
-        if self._dcp_rows_enabled:
-            # Per builder, as the CPU and ROCm AITER MLA builders set it.
-            self.query_len_support = QueryLenSupport.VARLEN  # type: ignore[misc]
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def _validate_dspark_dcp_support(self, supports_dcp_with_varlen: bool) -> None:
