@@ -21,7 +21,7 @@ from unittest import mock
 
 import torch
 
-from tests.support.kernel_stubs import cuda_properties_for_import
+from tests.support.kernel_stubs import cuda_properties_for_import, flash_attn_entry_points
 
 OVERRIDDEN = ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CPU_MLA", "TRITON_MLA",
               "FLASHMLA", "FLASH_ATTN_MLA")
@@ -53,7 +53,6 @@ def as_cuda_gpu(major: int):
     import vllm.platforms
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention import selector
-    from vllm.v1.attention.backends import fa_utils
 
     cuda_platform = _cuda_platform_cls()
     capability = DeviceCapability(major, 0)
@@ -65,10 +64,7 @@ def as_cuda_gpu(major: int):
                                 classmethod(lambda cls, device_id=0: capability)))
         enter(mock.patch.object(vllm.platforms, "current_platform", cuda_platform()))
         enter(mock.patch.object(torch, "empty", _meta_instead_of_cuda(torch.empty)))
-        # FlashAttention's entry points are absent from CPU builds.
-        for name in ("flash_attn_varlen_func", "get_scheduler_metadata"):
-            enter(mock.patch.object(fa_utils, name, getattr(fa_utils, name, None),
-                                    create=True))
+        enter(flash_attn_entry_points())
         flashattn_mla = importlib.import_module(
             "vllm.v1.attention.backends.mla.flashattn_mla")
         enter(mock.patch.object(flashattn_mla, "flash_attn_supports_mla",

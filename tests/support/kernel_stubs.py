@@ -38,8 +38,21 @@ def cuda_properties_for_import(major: int = 10):
         yield
 
 
+@contextlib.contextmanager
+def flash_attn_entry_points():
+    """FlashAttention's entry points in ``fa_utils``, absent from CPU builds
+    of vLLM (None there), for the modules that import them by name."""
+    from vllm.v1.attention.backends import fa_utils
+
+    with contextlib.ExitStack() as stack:
+        for name in ("flash_attn_varlen_func", "get_scheduler_metadata"):
+            stack.enter_context(mock.patch.object(
+                fa_utils, name, getattr(fa_utils, name, None), create=True))
+        yield
+
+
 def import_on_cpu(module: str):
-    with cuda_properties_for_import():
+    with cuda_properties_for_import(), flash_attn_entry_points():
         return importlib.import_module(module)
 
 

@@ -34,6 +34,8 @@ from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
+    DCPRowsImplMixin,
+    rows_of,
 )
 from vllm.v1.attention.backends.mla.dcp_settings import decodes_non_causal_block
 from vllm.v1.attention.ops.dcp_decode import mla_decode_reference
@@ -83,7 +85,7 @@ class CPUDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, MLACommonMetadataBuilder):
         )
 
 
-class CPUDCPMLAImpl(CPUMLAImpl):
+class CPUDCPMLAImpl(DCPRowsImplMixin, CPUMLAImpl):
     """``CPUMLAImpl`` that keeps the DCP group and returns decode LSE."""
 
     # The rows' decode (the ops layer's reference kernel) returns
@@ -91,8 +93,6 @@ class CPUDCPMLAImpl(CPUMLAImpl):
     can_return_lse_for_decode: ClassVar[bool] = True
     lse_base_on_e: ClassVar[bool] = True
     supports_dcp: ClassVar[bool] = True
-    # Every query token is its own row with its own local bound.
-    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
 
     def __init__(self, *args, **kwargs) -> None:
         # ``AttentionImpl.__new__`` read the DCP group (size, rank, the LSE
@@ -109,42 +109,34 @@ class CPUDCPMLAImpl(CPUMLAImpl):
             self.cp_kv_cache_interleave_size = (
                 get_current_vllm_config().parallel_config.cp_kv_cache_interleave_size)
 
-    def forward_mqa(
+    def forward_mqa_without_rows(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+        if self.dcp_world_size > 1:
+            raise TypeError(
+                "CPU_MLA under DCP decodes on the per-forward rows of "
+                "CPUDCPMLAMetadataBuilder, got "
+                f"{type(attn_metadata.decode).__name__} metadata")
+        return super().forward_mqa_without_rows(q, kv_c_and_k_pe_cache,
+                                                attn_metadata, layer)
+
+    def forward_rows(
         self,
-        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        q: torch.Tensor,
         kv_c_and_k_pe_cache: torch.Tensor,
+        decode: DCPDecodeMetadata,
         attn_metadata: MLACommonMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Absorbed MLA decode over this rank's KV slice.
-
-        Args:
-            q: [N, H, Dv + R] latent queries of the N decode tokens (H = all
-                heads of the DCP group), or the ``(q_nope [N, H, Dv],
-                q_pe [N, H, R])`` pair.
-            kv_c_and_k_pe_cache: [num_blocks, block_size, Dv + R] local cache.
+        """Absorbed MLA decode of ``q`` [N, H, Dv + R] over this rank's KV
+        slice (the ops layer's reference kernel).
 
         Returns:
-            ``(out [N, H, Dv] in q's dtype, lse [N, H] float32 natural log)``;
-            with DCP = 1, ``(out, None)`` (upstream's kernel unless the
-            builder made flattened rows: a DSpark draft block). Rows for which
-            this rank holds no KV give ``lse = -inf``.
+            ``(out [N, H, Dv] in q's dtype, lse [N, H] float32 natural log)``
+            (LSE None where vLLM does not ask for it; with DCP = 1 the rows
+            serve a DSpark draft block). Rows for which this rank holds no
+            KV give ``lse = -inf``.
         """
-        decode = attn_metadata.decode
-        if self.dcp_world_size == 1 and not isinstance(decode, DCPDecodeMetadata):
-            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        if not isinstance(decode, DCPDecodeMetadata):
-            raise TypeError(
-                "CPU_MLA under DCP decodes on the per-forward rows of "
-                f"CPUDCPMLAMetadataBuilder, got {type(decode).__name__} metadata")
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
-        rows = decode.flat
         num_rows = q.shape[0]
-        if rows.num_rows < num_rows:
-            raise ValueError(
-                f"{num_rows} decode query tokens but the metadata has "
-                f"{rows.num_rows} rows")
+        rows = rows_of(decode, num_rows)
         out, lse = mla_decode_reference(
             q,
             kv_c_and_k_pe_cache,

@@ -6,14 +6,15 @@ sequence's KV cache. A multi-token decode query (causal speculative verify or a
 non-causal DSpark draft block) then needs, per rank and per query token, its
 own local KV bound. ``DCPDecodeBuilderMixin`` computes these once per forward
 pass, in the metadata builder, and every MLA layer of the KV-cache group plus
-the DCP combine read the same ``DCPDecodeMetadata`` object.
+the DCP combine read the same ``DCPDecodeMetadata`` object;
+``DCPRowsImplMixin`` is the impls' side: their decode on those rows.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -235,3 +236,57 @@ class DCPDecodeBuilderMixin:
             layout=self.dcp_setting.layout,
             forward_id=next(self._dcp_forward_ids),
         )
+
+
+class DCPRowsImplMixin:
+    """An MLA impl whose ``forward_mqa`` decodes on the forward's rows
+    (``DCPDecodeMetadata``, made by its ``DCPDecodeBuilderMixin`` builder)
+    and is its base class's for any other decode metadata (no DCP, or a
+    uniform batch the builder left to upstream).
+
+    Subclasses put it before the vLLM impl they extend and implement
+    ``forward_rows``; they finish with ``dcp_epilogue.finish_rows_decode``.
+    """
+
+    # Every query token has its own local bound, so causal verify and draft
+    # blocks work at any --cp-kv-cache-interleave-size (vLLM's
+    # check_attention_cp_compatibility reads this).
+    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata, layer):
+        """Absorbed-MLA decode of this forward's decode tokens.
+
+        Args:
+            q: [N, H, Dv + R] (or the ``(q_nope [N, H, Dv], q_pe [N, H, R])``
+                pair); H is every head of the DCP group after vLLM's query
+                gather.
+            kv_c_and_k_pe_cache: [num_blocks, block_size, Dv + R] this
+                rank's cache.
+
+        Returns:
+            ``(out [N, H, Dv], lse [N, H] float32 or None)``: see
+            ``forward_rows`` for the LSE's base.
+        """
+        decode = attn_metadata.decode
+        if not isinstance(decode, DCPDecodeMetadata):
+            return self.forward_mqa_without_rows(q, kv_c_and_k_pe_cache,
+                                                 attn_metadata, layer)
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        return self.forward_rows(q, kv_c_and_k_pe_cache, decode, attn_metadata, layer)
+
+    def forward_mqa_without_rows(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+        return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+
+    def forward_rows(self, q: torch.Tensor, kv_c_and_k_pe_cache: torch.Tensor,
+                     decode: DCPDecodeMetadata, attn_metadata, layer):
+        """The decode of ``q`` [N, H, Dv + R] on ``decode``'s rows."""
+        raise NotImplementedError
+
+
+def rows_of(decode: DCPDecodeMetadata, num_tokens: int) -> FlatDecode:
+    """``decode``'s rows for a kernel that reads one row per query token."""
+    if decode.flat.num_rows < num_tokens:
+        raise ValueError(f"{num_tokens} decode query tokens but the metadata "
+                         f"has {decode.flat.num_rows} rows")
+    return decode.flat

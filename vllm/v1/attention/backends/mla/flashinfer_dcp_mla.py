@@ -42,6 +42,7 @@ from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
+    DCPRowsImplMixin,
 )
 from vllm.v1.attention.backends.mla.flashinfer_dcp_mla_sm90 import (
     Sm90RowPlanner,
@@ -149,43 +150,31 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         return decode
 
 
-class FlashInferDCPMLAImpl(FlashInferMLAImpl):
+class FlashInferDCPMLAImpl(DCPRowsImplMixin, FlashInferMLAImpl):
     """FlashInfer-MLA decode over the per-forward DCP rows."""
 
     # The kernels on the rows (CuTe DSL on sm100, FA3 + tails on sm90)
     # report natural-log LSE.
     lse_base_on_e: ClassVar[bool] = True
-    # Every query token is its own row with its own local bound, so causal
-    # verify and draft blocks work at any --cp-kv-cache-interleave-size
-    # (vLLM's check_attention_cp_compatibility reads this).
-    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.gpu_major = checks.current_gpu_major()
 
-    def forward_mqa(
+    def forward_rows(
         self,
-        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        q: torch.Tensor,
         kv_c_and_k_pe_cache: torch.Tensor,
+        decode: DCPDecodeMetadata,
         attn_metadata: FlashInferMLAMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Absorbed-MLA decode of N query tokens over this rank's KV.
-
-        Args:
-            q: [N, H, Dv + R] (or the ``(q_nope, q_pe)`` pair); H is every
-                head of the DCP group after vLLM's query gather.
-            kv_c_and_k_pe_cache: [num_blocks, block_size, Dv + R] local cache.
+        """Absorbed-MLA decode of ``q`` [N, H, Dv + R] over this rank's
+        cache [num_blocks, block_size, Dv + R].
 
         Returns:
             ``(out [N, H, Dv], lse [N, H] float32 natural log or None)``.
         """
-        decode = attn_metadata.decode
-        if not isinstance(decode, DCPDecodeMetadata):
-            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
         if self.gpu_major == 9:
             out, lse = run_planned(decode, self.scale, q, kv_c_and_k_pe_cache)
         else:

@@ -35,6 +35,7 @@ from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
+    DCPRowsImplMixin,
 )
 from vllm.v1.attention.backends.mla.dcp_settings import kv_split_over_dcp
 from vllm.v1.attention.backends.mla.flashmla import (
@@ -126,41 +127,31 @@ class FlashMLADCPMetadataBuilder(DCPDecodeBuilderMixin, FlashMLAMetadataBuilder)
         return decode
 
 
-class FlashMLADCPImpl(FlashMLAImpl):
+class FlashMLADCPImpl(DCPRowsImplMixin, FlashMLAImpl):
     """FlashMLA decode over the per-forward DCP rows."""
 
     # FlashMLA's LSE and the tails' are natural log.
     lse_base_on_e: ClassVar[bool] = True
-    # Every query token has its own local bound (prefix + tail), so causal
-    # verify and draft blocks work at any --cp-kv-cache-interleave-size
-    # (vLLM's check_attention_cp_compatibility reads this).
-    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
 
-    def forward_mqa(
+    def forward_rows(
         self,
-        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        q: torch.Tensor,
         kv_c_and_k_pe_cache: torch.Tensor,
+        decode: DCPDecodeMetadata,
         attn_metadata: FlashMLAMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Absorbed-MLA decode of T = R x s query tokens over this rank's KV.
 
         Args:
-            q: [T, H, 576] (or the ``(q_nope, q_pe)`` pair), bf16, or fp8
-                e4m3 with an fp8 cache (vLLM quantizes it with the layer's
-                ``_q_scale``); H is every head of the DCP group after vLLM's
-                query gather.
+            q: [T, H, 576] bf16, or fp8 e4m3 with an fp8 cache (vLLM
+                quantizes it with the layer's ``_q_scale``).
             kv_c_and_k_pe_cache: [P, 64, 576] this rank's cache (fp8 e4m3
                 with an fp8 KV-cache dtype).
 
         Returns:
             ``(out [T, H, 512] bf16, lse [T, H] float32 natural log or None)``.
         """
-        decode = attn_metadata.decode
-        if not isinstance(decode, DCPDecodeMetadata):
-            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
         plan = decode.plan
         # The builder sets the plan with the metadata; a later build rewrites
         # the buffers it reads (a stale forward).

@@ -19,8 +19,6 @@ builder is made, skip their own per-layer mask (``dcp_epilogue``).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
@@ -31,6 +29,7 @@ from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
+    DCPRowsImplMixin,
 )
 from vllm.v1.attention.backends.mla.tokenspeed_mla import (
     TokenspeedMLABackend,
@@ -51,37 +50,28 @@ class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetada
     dcp_backend = checks.TOKENSPEED_MLA
 
 
-class TokenspeedDCPMLAImpl(TokenspeedMLAImpl):
+class TokenspeedDCPMLAImpl(DCPRowsImplMixin, TokenspeedMLAImpl):
     """Tokenspeed decode reading the per-forward DCP metadata."""
 
-    # Stated here, not inherited: the kernel's cp_interleave_size and the
-    # per-row fallback serve spec decode at any --cp-kv-cache-interleave-size
-    # (vLLM's check_attention_cp_compatibility reads this).
-    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
-
-    def forward_mqa(
+    def forward_rows(
         self,
-        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        q: torch.Tensor,
         kv_c_and_k_pe_cache: torch.Tensor,
+        decode: DCPDecodeMetadata,
         attn_metadata: MLACommonMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Absorbed-MLA decode of N query tokens over this rank's KV.
-
-        Args:
-            q: [N, H, Dv + R] fp8 queries (H: every head of the DCP group).
-            kv_c_and_k_pe_cache: [num_blocks, block_size, Dv + R] fp8 cache.
+        """Absorbed-MLA decode of ``q`` [N, H, Dv + R] fp8 over this rank's
+        fp8 cache [num_blocks, block_size, Dv + R]: the kernel's fused
+        ``[R, s]`` query with its own DCP arguments (its
+        ``cp_interleave_size``) for a uniform batch, one row per token
+        otherwise; both at any --cp-kv-cache-interleave-size.
 
         Returns:
             ``(out [N, H, Dv], lse [N, H] float32 base 2 or None)``.
         """
         from tokenspeed_mla import tokenspeed_mla_decode
 
-        decode = attn_metadata.decode
-        if not isinstance(decode, DCPDecodeMetadata):
-            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
         num_tokens, num_heads = q.shape[0], q.shape[1]
         num_reqs = attn_metadata.num_decodes
         if self.softmax_scale is None:

@@ -43,6 +43,8 @@ from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
     DCPDecodeMetadata,
+    DCPRowsImplMixin,
+    rows_of,
 )
 from vllm.v1.attention.backends.mla.dcp_settings import kv_split_over_dcp
 from vllm.v1.attention.backends.mla.triton_mla import (
@@ -101,48 +103,31 @@ class TritonDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TritonMLAMetadataBuilde
             supports_dcp_with_varlen or self._dcp_rows_enabled)
 
 
-class TritonDCPMLAImpl(TritonMLAImpl):
+class TritonDCPMLAImpl(DCPRowsImplMixin, TritonMLAImpl):
     """Triton-MLA decode over the per-forward DCP rows."""
 
     # decode_attention_fwd's LSE is e_max + log(e_sum) with exp/log: natural.
     lse_base_on_e: ClassVar[bool] = True
-    # Every query token is its own row with its own local bound, so causal
-    # verify and draft blocks work at any --cp-kv-cache-interleave-size
-    # (vLLM's check_attention_cp_compatibility reads this).
-    supports_mtp_with_cp_non_trivial_interleave_size: ClassVar[bool] = True
 
-    def forward_mqa(
+    def forward_rows(
         self,
-        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        q: torch.Tensor,
         kv_c_and_k_pe_cache: torch.Tensor,
+        decode: DCPDecodeMetadata,
         attn_metadata: MLACommonMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Absorbed-MLA decode of N query tokens over this rank's KV.
-
-        Args:
-            q: [N, H, Dv + R] in the model dtype (or the ``(q_nope, q_pe)``
-                pair); H is every head of the DCP group after vLLM's query
-                gather.
-            kv_c_and_k_pe_cache: [num_blocks, block_size, Dv + R] local
-                cache, bf16/fp16 or fp8 (dequantized in the kernel with
-                ``layer._k_scale``).
+        """Absorbed-MLA decode of ``q`` [N, H, Dv + R] (model dtype) over this
+        rank's cache (bf16/fp16, or fp8 dequantized in the kernel with
+        ``layer._k_scale``).
 
         Returns:
             ``(out [N, H, Dv] in q's dtype, lse [N, H] float32 natural log)``
             (LSE None where vLLM does not ask for it); rows without local KV
-            give out 0 and LSE -inf. Upstream's result without DCP.
+            give out 0 and LSE -inf.
         """
-        decode = attn_metadata.decode
-        if not isinstance(decode, DCPDecodeMetadata):
-            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
-        rows = decode.flat
         num_rows, num_heads = q.shape[0], q.shape[1]
-        if rows.num_rows < num_rows:
-            raise ValueError(f"{num_rows} decode query tokens but the metadata "
-                             f"has {rows.num_rows} rows")
+        rows = rows_of(decode, num_rows)
         out = q.new_empty(num_rows, num_heads, self.kv_lora_rank)
         # float32: the combine weighs the ranks by exp(LSE), and a bf16 LSE
         # (upstream's) is off by up to 1/256 of its value.
