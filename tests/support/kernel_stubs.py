@@ -77,8 +77,10 @@ def _reference(query, kv_cache, block_tables, visible, scale, kv_lora_rank):
     natural-log lse [B, q, H]."""
     batch, query_len, heads, _ = query.shape
     page = kv_cache.shape[1]
-    out = torch.full((batch, query_len, heads, kv_lora_rank), float("nan"))
-    lse = torch.full((batch, query_len, heads), float("nan"))
+    # float32 whatever the default dtype (a model runs under bf16's).
+    out = torch.full((batch, query_len, heads, kv_lora_rank), float("nan"),
+                     dtype=torch.float32)
+    lse = torch.full((batch, query_len, heads), float("nan"), dtype=torch.float32)
     for b in range(batch):
         for t in range(query_len):
             length = int(visible[b, t])

@@ -459,10 +459,11 @@ class PrefillStep:
 
 
 def _common_metadata(step: PrefillStep, block_table: torch.Tensor, config,
-                     rank: int = 0):
+                     rank: int = 0, *, causal: bool = True):
     """vLLM's ``CommonAttentionMetadata`` of ``step`` on DCP rank ``rank``:
     the slots of the tokens that rank keeps (``-1`` for the others), at their
-    local positions, as vLLM's slot mapping under DCP has them."""
+    local positions, as vLLM's slot mapping under DCP has them. ``causal``
+    False: a DSpark draft block, as the speculator builds it."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
@@ -484,7 +485,7 @@ def _common_metadata(step: PrefillStep, block_table: torch.Tensor, config,
         num_reqs=len(step.new), num_actual_tokens=int(qsl[-1]),
         max_query_len=max(step.new), max_seq_len=int(seq_lens.max()),
         block_table_tensor=block_table, slot_mapping=torch.cat(slots),
-        causal=True, seq_lens_cpu_upper_bound=seq_lens.clone(),
+        causal=causal, seq_lens_cpu_upper_bound=seq_lens.clone(),
         dcp_local_seq_lens=(get_dcp_local_seq_lens(seq_lens, world, rank, interleave)
                             if world > 1 else None))
 
@@ -529,15 +530,17 @@ def run_prefill(k3: K3Layer, step: PrefillStep, inputs: PrefillInputs,
 
 
 def run_step(k3: K3Layer, step: PrefillStep, inputs: PrefillInputs,
-             block_table: torch.Tensor, *, decode: bool, rank: int = 0) -> torch.Tensor:
+             block_table: torch.Tensor, *, decode: bool, rank: int = 0,
+             causal: bool = True) -> torch.Tensor:
     """The layer's attention on ``step``, which the builder must split into
-    decodes only (``decode``: a verify block) or prefills only; ``rank``:
-    the DCP rank whose tokens the step writes to the cache (the builder
-    runs as rank 0, which a step without context does not read)."""
+    decodes only (``decode``: a verify block, or with ``causal`` False a
+    DSpark draft block) or prefills only; ``rank``: the DCP rank whose
+    tokens the step writes to the cache (the builder runs as rank 0, which
+    a step without context does not read)."""
     from vllm.forward_context import set_forward_context
 
     layer = k3.layer
-    common = _common_metadata(step, block_table, k3.config, rank)
+    common = _common_metadata(step, block_table, k3.config, rank, causal=causal)
     metadata = k3.group.get_metadata_builder().build(
         common_prefix_len=0, common_attn_metadata=common)
     if decode:
