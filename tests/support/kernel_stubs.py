@@ -94,13 +94,20 @@ def _reference(query, kv_cache, block_tables, visible, scale, kv_lora_rank):
     return out, lse
 
 
-def _check_common(query, block_tables, seq_lens, kv_lora_rank, rope_dim):
-    assert query.ndim == 4, "query must be [B, q_len, H, D]"
+def _check_common(query, block_tables, seq_lens, kv_lora_rank, rope_dim,
+                  batch_size=None):
+    """``batch_size``: the requests of a compact [total_q, H, D] query (else
+    the query is [B, q_len, H, D])."""
+    if batch_size is None:
+        assert query.ndim == 4, "query must be [B, q_len, H, D]"
+        batch_size = query.shape[0]
+    else:
+        assert query.ndim == 3, "a compact query is [total_q, H, D]"
     assert query.dtype in KERNEL_DTYPES, query.dtype
     assert query.shape[-1] == kv_lora_rank + rope_dim
     assert block_tables.dtype == torch.int32 and block_tables.ndim == 2
-    assert block_tables.shape[0] == query.shape[0]
-    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (query.shape[0],)
+    assert block_tables.shape[0] == batch_size
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch_size,)
 
 
 class _SignatureBoundKernel:
@@ -116,19 +123,26 @@ class _SignatureBoundKernel:
         bound.apply_defaults()
         a = bound.arguments
         self.calls.append(a)
+        cum = a.get("cum_seq_lens_q")
         _check_common(a["query"], a["block_tables"], a["seq_lens"], a["kv_lora_rank"],
-                      a["qk_rope_head_dim"])
+                      a["qk_rope_head_dim"],
+                      batch_size=None if cum is None else cum.shape[0] - 1)
         return a
 
 
 class TrtllmMLAReference(_SignatureBoundKernel):
     """``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` on CPU.
 
-    Fixed-Q layout only (``cum_seq_lens_q`` unset): query [B, q_len, H, D],
-    kv_cache [P, 1, page, D]; token ``t`` of request ``b`` sees
-    ``seq_lens[b] - q_len + 1 + t`` local tokens (the kernel is causal), or,
-    with ``enable_dcp``, the local part of the global causal bound on a
-    token-striped (interleave 1) layout. Natural-log LSE [B, q_len, H].
+    Fixed-Q layout: query [B, q_len, H, D], kv_cache [P, 1, page, D]; token
+    ``t`` of request ``b`` sees ``seq_lens[b] - q_len + 1 + t`` local tokens
+    (the kernel is causal), or, with ``enable_dcp``, the local part of the
+    global causal bound on a token-striped (interleave 1) layout.
+    Natural-log LSE [B, q_len, H]. Compact variable-Q layout (FlashInfer's
+    docstring: ``cum_seq_lens_q`` [B + 1] int32, 0 .. total_q, non-decreasing;
+    ``max_q_len`` at least the longest; no LSE on this path): query
+    [total_q, H, D], request ``b``'s ``n_b`` tokens at rows
+    ``cum_seq_lens_q[b]`` on, causal over ``seq_lens[b]`` the same way;
+    output [total_q, H, Dv].
     """
 
     def __init__(self):
@@ -139,8 +153,9 @@ class TrtllmMLAReference(_SignatureBoundKernel):
         query, kv_cache = a["query"], a["kv_cache"]
         assert kv_cache.ndim == 4 and kv_cache.shape[1] == 1, "kv_cache [P, 1, page, D]"
         assert kv_cache.dtype == query.dtype
-        assert a["cum_seq_lens_q"] is None, "stub covers the fixed-Q layout"
         assert int(a["seq_lens"].max()) <= a["max_seq_len"]
+        if a["cum_seq_lens_q"] is not None:
+            return self._compact(a)
         query_len = query.shape[1]
         if a["enable_dcp"]:
             assert a["return_lse"], "DCP requires return_lse=True"
@@ -156,6 +171,27 @@ class TrtllmMLAReference(_SignatureBoundKernel):
                                                 if query.dtype == torch.float8_e4m3fn
                                                 else query.dtype)
         return (out, lse) if a["return_lse"] else out
+
+    def _compact(self, a):
+        query, cum = a["query"], a["cum_seq_lens_q"]
+        assert not a["return_lse"] and not a["enable_dcp"], "no LSE on the compact path"
+        assert cum.dtype == torch.int32 and int(cum[0]) == 0
+        assert int(cum[-1]) == query.shape[0] and bool((cum[1:] >= cum[:-1]).all())
+        lens = cum[1:] - cum[:-1]
+        assert a["max_q_len"] is None or int(lens.max()) <= a["max_q_len"]
+        out = torch.empty(query.shape[0], query.shape[1], a["kv_lora_rank"],
+                          dtype=torch.float32)
+        for b in range(lens.shape[0]):
+            start, n = int(cum[b]), int(lens[b])
+            one = {**a, "query": query[start:start + n][None],
+                   "block_tables": a["block_tables"][b:b + 1],
+                   "seq_lens": a["seq_lens"][b:b + 1], "cum_seq_lens_q": None}
+            visible = _bounds(n, one["seq_lens"], causal=True)
+            rows, _ = _reference(one["query"], a["kv_cache"][:, 0], one["block_tables"],
+                                 visible, float(a["bmm1_scale"]), a["kv_lora_rank"])
+            out[start:start + n] = rows[0] * float(a["bmm2_scale"])
+        return out.to(torch.bfloat16 if query.dtype == torch.float8_e4m3fn
+                      else query.dtype)
 
 
 class TokenspeedMLAReference(_SignatureBoundKernel):

@@ -97,6 +97,12 @@ _TAIL_MERGE_USERS = ("vllm.v1.attention.ops.flashmla_dcp_rows",
 _TRTLLM_USERS = ("vllm.v1.attention.backends.mla.flashinfer_dcp_mla",
                  "vllm.v1.attention.backends.mla.flashinfer_mla")
 
+# The kernels' GPU workspaces (none on CPU), where each backend allocates it.
+_WORKSPACES = (("vllm.v1.attention.backends.mla.flashinfer_dcp_mla", "_get_workspace_buffer"),
+               ("vllm.v1.attention.backends.mla.flashinfer_mla", "_get_workspace_buffer"),
+               ("vllm.v1.attention.backends.mla.tokenspeed_dcp_mla", "_get_workspace"),
+               ("vllm.v1.attention.backends.mla.tokenspeed_mla", "_get_workspace"))
+
 
 @contextlib.contextmanager
 def decode_stand_ins(major: int):
@@ -123,12 +129,9 @@ def decode_stand_ins(major: int):
             owner = import_on_cpu(module)
             enter(mock.patch.object(owner, "trtllm_batch_decode_with_kv_cache_mla",
                                     trtllm))
-        owner = import_on_cpu("vllm.v1.attention.backends.mla.flashinfer_dcp_mla")
-        enter(mock.patch.object(owner, "_get_workspace_buffer",
-                                lambda *args, **kwargs: torch.empty(8, dtype=torch.uint8)))
-        owner = import_on_cpu("vllm.v1.attention.backends.mla.tokenspeed_dcp_mla")
-        enter(mock.patch.object(owner, "_get_workspace",
-                                lambda *args, **kwargs: torch.empty(0, dtype=torch.int8)))
+        for module, name in _WORKSPACES:
+            enter(mock.patch.object(import_on_cpu(module), name,
+                                    lambda *args, **kwargs: torch.empty(8, dtype=torch.int8)))
         enter(mock.patch("tokenspeed_mla.tokenspeed_mla_decode", TokenspeedMLAReference()))
         if major == 9:
             enter(mock.patch.dict(sys.modules, {"flashinfer.mla":
@@ -276,20 +279,35 @@ def reference_partial(k3: rf.K3Layer, q: torch.Tensor, latent: torch.Tensor,
     return out, lse
 
 
-def partial_errors(k3: rf.K3Layer, partials: RankPartials, expected_out,
-                   expected_lse) -> tuple[float, float]:
-    """(output error relative to the largest output, largest LSE error),
-    the kernel's LSE read in the base the layer tells vLLM's combine."""
-    world = partials.world
-    got_out = partials.out.double().view(expected_out.shape[0], -1, expected_out.shape[-1])
-    got_lse = partials.lse.double().view(expected_lse.shape[0], -1)
+def partial_errors(k3: rf.K3Layer, got_out, got_lse, expected_out, expected_lse,
+                   world: int) -> tuple[float, float]:
+    """(output error relative to the largest output, largest LSE error) of a
+    rank's partial (``got_out`` [n, W * h, 512], ``got_lse`` [n, W * h], the
+    gathered heads the rank's h repeated) against the reference of its h
+    heads; the kernel's LSE read in the base the layer tells vLLM's combine."""
+    got_lse = got_lse.double()
     if not k3.layer.impl.lse_base_on_e:
         got_lse = got_lse * math.log(2.0)
-    heads = expected_out.shape[1]
-    assert got_out.shape[1] == heads * world or got_out.shape[1] == heads
-    expected_out = expected_out.repeat(1, got_out.shape[1] // heads, 1)
-    expected_lse = expected_lse.repeat(1, got_lse.shape[1] // heads)
-    out_error = ((got_out - expected_out).abs().max() / expected_out.abs().max()).item()
-    lse_error = (got_lse - expected_lse).abs().max().item()
+    assert got_out.shape[1] == expected_out.shape[1] * world
+    out_error = relative_error(got_out, expected_out.repeat(1, world, 1))
+    lse_error = (got_lse - expected_lse.repeat(1, world)).abs().max().item()
     return out_error, lse_error
 
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected).abs().max() / expected.abs().max()).item()
+
+
+def up_projected(k3: rf.K3Layer, latent_out: torch.Tensor) -> torch.Tensor:
+    """[n, H * v]: the latent output [n, H, 512] through the layer's W_UV."""
+    return torch.einsum("qhl,hlv->qhv", latent_out,
+                        k3.layer.W_UV.double()).flatten(1)
+
+
+def table_columns(k3: rf.K3Layer, max_columns: int = 20) -> int:
+    """Block-table columns a request may use: at most the rank's share of
+    ``max_model_len`` (what the DCP builders size at start-up)."""
+    config = k3.config
+    share = config.model_config.max_model_len // (
+        config.parallel_config.decode_context_parallel_size * rf.BLOCK_SIZE)
+    return min(max_columns, share)
