@@ -105,14 +105,19 @@ def _check(k3, result, step, inputs, context_latent, *, causal):
             assert error <= OUT_TOLERANCE, error
 
 
-def _decode_steps(k3, table, context_latent):
-    """The verify step on the target, then a DSpark block on the draft."""
+def _verify(k3, table, context_latent):
+    """The verify step on the target: 1 + k causal tokens per request."""
     k = k3.config.speculative_config.num_speculative_tokens
     verify = rd.DecodeStep(CONTEXT, [1 + k] * 2)
     inputs = rf.random_inputs(k3, verify.as_prefill_step(), seed=3)
     result = rd.run_decode(k3, verify, inputs, table, causal=True)
     _check(k3, result, verify, inputs, context_latent, causal=True)
+
+
+def _draft(k3, table):
+    """A DSpark block on the draft: k non-causal tokens per request."""
     draft = rd.dspark_draft_layer(k3)
+    k = k3.config.speculative_config.num_speculative_tokens
     block = rd.DecodeStep(DRAFT_CONTEXT, [k] * 2)
     draft_context = rd.fill_context(draft, table, DRAFT_CONTEXT, seed=4)
     inputs = rf.random_inputs(draft, block.as_prefill_step(), seed=5)
@@ -129,6 +134,23 @@ def test_recipe_verifies_and_drafts_after_its_prompt(tmp_path, case):
             rd.decode_stand_ins(major):
         _assert_backend(k3, target)
         table = rf.block_table_for(2, rd.table_columns(k3))
-        context_latent = _serve_prompt(k3, table)
-        draft_layer = _decode_steps(k3, table, context_latent)
-        _assert_backend(draft_layer, draft)
+        _verify(k3, table, _serve_prompt(k3, table))
+        _assert_backend(_draft(k3, table), draft)
+
+
+@pytest.mark.parametrize("recipe", README_RECIPES, ids=[r["id"] for r in README_RECIPES])
+def test_readme_recipe_decodes_at_dcp1(tmp_path, recipe):
+    """vLLM's own decode paths (the plugin's backends are vLLM's at DCP 1)."""
+    major = recipe["major"]
+    with rf.k3_target_layer([*recipe["argv"], "-dcp", "1"], major, tmp_path) as k3, \
+            rd.decode_stand_ins(major):
+        table = rf.block_table_for(2, rd.table_columns(k3))
+        _verify(k3, table, _serve_prompt(k3, table))
+        if major == 9 and recipe["draft"][0] == "FLASHINFER_MLA":
+            # vLLM serves FLASHINFER_MLA on sm100 only; the FA3 draft is the
+            # plugin's, under DCP (tests/test_recipe_start.py: same refusal
+            # without the plugin).
+            with pytest.raises(ValueError, match="compute capability not supported"):
+                rd.dspark_draft_layer(k3)
+            return
+        _draft(k3, table)

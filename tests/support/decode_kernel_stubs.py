@@ -9,7 +9,9 @@ their contracts, in plain float64 torch (nothing of the code under test):
 * ``FlashAttnMLAReference``: vLLM's FlashAttention 3 varlen call as vLLM's
   ``FLASH_ATTN_MLA`` decode makes it (``q`` the rope part, ``q_v`` the
   latent part, paged ``k`` / ``v`` of one KV head), with vllm-flash-attn's
-  DCP arguments.
+  DCP arguments;
+* ``decode_attention_fwd``: vLLM's Triton MLA decode (``TRITON_MLA``, the
+  Hopper draft's backend at ``-dcp 1``), one query row per program.
 
 The other decode kernels' stand-ins are ``kernel_stubs``'s.
 """
@@ -149,3 +151,25 @@ class FlashAttnMLAReference:
                 out[t] = torch.softmax(scores, -1) @ keys_v[seen]
         out = out.to(q.dtype)
         return (out, lse.float()) if return_softmax_lse else out
+
+
+def decode_attention_fwd(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len,
+                         attn_logits, num_kv_splits, sm_scale, page_size,
+                         logit_cap=0.0, k_scale=None, v_scale=None, is_mla=False):
+    """vLLM's Triton ``decode_attention_fwd`` (``TRITON_MLA``'s decode), one
+    query row per program: row ``b`` of ``q`` [B, H, D] attends the first
+    ``b_seq_len[b]`` keys of ``k_buffer`` [P, page, 1, D] through its
+    ``req_to_token`` row (block ids); values are ``v_buffer``'s first Dv
+    columns; fp8 buffers times ``k_scale`` / ``v_scale``. Writes ``o``
+    [B, H, Dv] and the natural-log ``lse`` [B, H]."""
+    assert is_mla and logit_cap == 0.0
+    keys = _as_values(k_buffer)[:, :, 0] * (float(k_scale) if k_scale is not None else 1.0)
+    values = _as_values(v_buffer)[:, :, 0] * (float(v_scale) if v_scale is not None else 1.0)
+    for b in range(q.shape[0]):
+        position = torch.arange(int(b_seq_len[b]))
+        if position.numel() == 0:
+            continue
+        blocks = req_to_token[b, position // page_size].long()
+        scores = q[b].double() @ keys[blocks, position % page_size].T * sm_scale
+        o[b] = (torch.softmax(scores, -1) @ values[blocks, position % page_size]).to(o.dtype)
+        lse[b] = torch.logsumexp(scores, -1).to(lse.dtype)

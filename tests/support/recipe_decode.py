@@ -108,7 +108,7 @@ _WORKSPACES = (("vllm.v1.attention.backends.mla.flashinfer_dcp_mla", "_get_works
 def decode_stand_ins(major: int):
     """sm90: FA3 (FlashInfer's, the plan-honouring fake of
     ``test_flashinfer_sm90_mla``; FlashAttention's, ``FlashAttnMLAReference``)
-    and the tail launch; sm100: FlashInfer's MLA decode and Tokenspeed's
+    and the tail launch; vLLM's Triton MLA decode; sm100: FlashInfer's MLA decode and Tokenspeed's
     (``kernel_stubs``). FlashMLA is ``recipe_forward.kernel_stand_ins``'."""
     from tests.support import decode_kernel_stubs as stubs
     from tests.support.kernel_stubs import (TokenspeedMLAReference,
@@ -124,6 +124,11 @@ def decode_stand_ins(major: int):
         owner = importlib.import_module("vllm.v1.attention.backends.mla.flashattn_mla")
         for name in ("flash_attn_varlen_func", "get_scheduler_metadata"):
             enter(mock.patch.object(owner, name, getattr(flash_attn, name)))
+        owner = importlib.import_module("vllm.v1.attention.backends.mla.triton_mla")
+        enter(mock.patch.object(owner, "decode_attention_fwd", stubs.decode_attention_fwd))
+        # Its split count comes from Triton's helpers (absent on CPU); the
+        # stand-in takes no splits.
+        enter(mock.patch.object(owner, "_compute_num_kv_splits", lambda *args: 1))
         trtllm = TrtllmMLAReference()
         for module in _TRTLLM_USERS:
             owner = import_on_cpu(module)
