@@ -155,18 +155,21 @@ class FlashAttnMLAReference:
 
 def decode_attention_fwd(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len,
                          attn_logits, num_kv_splits, sm_scale, page_size,
-                         logit_cap=0.0, k_scale=None, v_scale=None, is_mla=False):
+                         logit_cap=0.0, k_scale=None, v_scale=None, is_mla=False,
+                         sliding_window=None):
     """vLLM's Triton ``decode_attention_fwd`` (``TRITON_MLA``'s decode), one
     query row per program: row ``b`` of ``q`` [B, H, D] attends the first
     ``b_seq_len[b]`` keys of ``k_buffer`` [P, page, 1, D] through its
     ``req_to_token`` row (block ids); values are ``v_buffer``'s first Dv
-    columns; fp8 buffers times ``k_scale`` / ``v_scale``. Writes ``o``
+    columns; fp8 buffers times ``k_scale`` / ``v_scale``; vLLM 0.34's
+    ``sliding_window``: only a row's last that many keys. Writes ``o``
     [B, H, Dv] and the natural-log ``lse`` [B, H]."""
     assert is_mla and logit_cap == 0.0
     keys = _as_values(k_buffer)[:, :, 0] * (float(k_scale) if k_scale is not None else 1.0)
     values = _as_values(v_buffer)[:, :, 0] * (float(v_scale) if v_scale is not None else 1.0)
     for b in range(q.shape[0]):
-        position = torch.arange(int(b_seq_len[b]))
+        length = int(b_seq_len[b])
+        position = torch.arange(max(0, length - (sliding_window or length)), length)
         if position.numel() == 0:
             continue
         blocks = req_to_token[b, position // page_size].long()
