@@ -224,9 +224,8 @@ def test_hopper_fp8_verify_reads_the_latent_the_prefill_wrote(tmp_path):
     verify block of 5 tokens decodes on vLLM's FLASHMLA fp8 (FlashMLA at its
     contract) over the prefill's cache and its own new latent: float64
     attention on the fp8 values the cache should hold, within the fp8
-    decode's bound. (On sm100, FLASHINFER_MLA hands FlashInfer's MLA decode
-    a 3-D query here, a layout ``kernel_stubs.TrtllmMLAReference`` does not
-    take: not checked.)"""
+    decode's bound (every recipe's verify and draft steps:
+    ``tests/test_recipe_decode.py``)."""
     major, backend = 9, "FLASHMLA"
     flags = HOPPER_FP8 + DSPARK
     with rf.k3_target_layer(shlex.split(flags), major, tmp_path,
