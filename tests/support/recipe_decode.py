@@ -106,10 +106,12 @@ _WORKSPACES = (("vllm.v1.attention.backends.mla.flashinfer_dcp_mla", "_get_works
 
 @contextlib.contextmanager
 def decode_stand_ins(major: int):
-    """sm90: FA3 (FlashInfer's, the plan-honouring fake of
-    ``test_flashinfer_sm90_mla``; FlashAttention's, ``FlashAttnMLAReference``)
-    and the tail launch; vLLM's Triton MLA decode; sm100: FlashInfer's MLA decode and Tokenspeed's
-    (``kernel_stubs``). FlashMLA is ``recipe_forward.kernel_stand_ins``'."""
+    """The decode kernels of an sm``major``0 recipe: FA3 (FlashInfer's, the
+    plan-honouring fake of ``test_flashinfer_sm90_mla``, on sm90;
+    FlashAttention's, ``FlashAttnMLAReference``), the tail launch and vLLM's
+    Triton MLA decode (``decode_kernel_stubs``); FlashInfer's MLA decode and
+    Tokenspeed's (``kernel_stubs``). FlashMLA is
+    ``recipe_forward.kernel_stand_ins``'."""
     from tests.support import decode_kernel_stubs as stubs
     from tests.support.kernel_stubs import (TokenspeedMLAReference,
                                             TrtllmMLAReference, import_on_cpu)
