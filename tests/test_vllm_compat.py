@@ -252,6 +252,26 @@ def test_absent_cpu_hooks_are_left_out_without_error():
         assert cpu_dcp_patches.fill_combine_constexprs() is False
 
 
+@pytest.mark.parametrize("kernel_kind", ["jit", "placeholder"])
+def test_combine_constexprs_from_a_jit_kernel_or_a_plain_function(kernel_kind):
+    """The combine kernel as Triton's ``jit`` made it (``arg_names``) or as
+    vLLM's Triton placeholder left it, a plain function (a process where
+    vLLM found no Triton driver at import): the launcher gets the
+    constexprs' positions either way."""
+    from vllm.v1.attention.backends.mla import cpu_dcp_patches
+
+    def kernel(out_ptr, lse_ptr, rank, HEAD_DIM, N_ROUNDED, IS_BASE_E):
+        pass
+
+    if kernel_kind == "jit":
+        kernel = SimpleNamespace(arg_names=["out_ptr", "lse_ptr", "rank", "HEAD_DIM",
+                                            "N_ROUNDED", "IS_BASE_E"])
+    kernel_cls = SimpleNamespace(kernel=kernel)
+    with mock.patch.object(cpu_dcp_patches, "_find", return_value=kernel_cls):
+        assert cpu_dcp_patches.fill_combine_constexprs() is True
+    assert kernel.constexprs == [3, 4, 5]
+
+
 # ---------------------------------------------------------------------------
 # vLLM >= 0.33: a cache every rank holds whole is built at DCP size 1.
 

@@ -22,6 +22,7 @@ has no slot-mapping fallback to replace).
 from __future__ import annotations
 
 import functools
+import inspect
 import importlib
 
 import torch
@@ -131,13 +132,19 @@ def fill_combine_constexprs() -> bool:
     ``constexprs`` (after ``install_combine``).
 
     The launcher splits regular from constexpr arguments by counting the
-    kernel's ``constexprs``, which a Triton placeholder does not carry.
+    kernel's ``constexprs``, which a Triton placeholder does not carry. The
+    kernel is a ``JITFunction`` (its ``arg_names``) or, where vLLM found no
+    Triton driver at import, the plain function its placeholder ``jit``
+    returned (its signature).
     """
     kernel_cls = _find("vllm.v1.attention.ops.dcp", "CorrectAttnCPOutKernel")
     override = getattr(kernel_cls, "kernel", None)
     if override is None:
         return False
     if getattr(override, "constexprs", None) is None:
-        override.constexprs = [override.arg_names.index(name)
+        arg_names = getattr(override, "arg_names", None)
+        if arg_names is None:
+            arg_names = list(inspect.signature(override).parameters)
+        override.constexprs = [arg_names.index(name)
                                for name in ("HEAD_DIM", "N_ROUNDED", "IS_BASE_E")]
     return True
