@@ -294,7 +294,7 @@ def test_start_up_checks_agree_with_model_load(tmp_path, case, shape):
     from tests.support.cuda_selection import check_as_gpu
 
     _, major, flags, refused_by = case
-    config = rs.recipe_config(shlex.split(flags), tmp_path, shape=shape)
+    config = rs.recipe_config(shlex.split(flags), tmp_path, major=major, shape=shape)
     if refused_by is None:
         check_as_gpu(config, major)
         start = rs.start_config(config, major)

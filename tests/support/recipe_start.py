@@ -48,7 +48,9 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import os
 import shlex
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,8 +59,8 @@ from unittest import mock
 import torch
 
 from tests.support.builder_harness import _fake_dcp_manager, fake_dcp_group
-from tests.support.cuda_selection import (as_cuda_gpu, check_as_gpu,
-                                          gpu_engine_config, plugin_registered)
+from tests.support.cuda_selection import as_cuda_gpu, plugin_registered
+from tests.support.gpu_config import cuda_engine_config, on_cuda_host
 from tests.support.tiny_dspark import tiny_dspark_config
 
 K3_TARGET_LAYERS = 61  # Kimi-K3's; a recipe's layer indices are counted in it
@@ -227,6 +229,9 @@ class RecipeStart:
     # Per MLA layer, the target runner's builder of its KV-cache group (for
     # a draft layer, one that may serve target layers too).
     runner_builders: dict[str, object] = dataclasses.field(default_factory=dict)
+    # The CUDA-graph modes the target runner and the DSpark speculator
+    # resolve (None: no draft).
+    cudagraph_modes: tuple = (None, None)
 
     def role(self, draft: bool) -> tuple[str, str]:
         """(backend, KV dtype) of the target's (or draft's) layers; one pair."""
@@ -352,83 +357,89 @@ def _startup_checks_on(platform_cls):
             platform_cls.check_and_update_config = saved
 
 
-def _resolve_kv_cache_layout(config, specs) -> None:
-    """The engine core's KV-cache layout, from what the worker's backends
-    support (``resolve_kv_cache_layout``; the worker records it)."""
-    from vllm.distributed.kv_transfer.kv_connector.utils import (
-        get_current_attn_backends,
-    )
-    from vllm.v1.attention.backends import utils
-
-    supported = [layout.name for layout in utils.get_supported_kv_cache_layouts(
-        get_current_attn_backends(config))]
-    layout = utils.resolve_kv_cache_layout(config, [supported], specs.values())
-    utils.record_kv_cache_layout(config.cache_config, layout.name)
-
-
-def _get_kv_cache_groups():
-    try:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # 0.32
-    except ImportError:
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # 0.34
-    return get_kv_cache_groups
-
-
 KV_CACHE_MEMORY = 8 << 30  # bytes a worker offers the KV cache (plenty)
 
 
+class _OneWorkerExecutor:
+    """The executor as the engine core sees it, over one worker of
+    ``specs`` (rank 0): vLLM's worker methods answer its layout calls."""
+
+    def __init__(self, config, specs):
+        self.worker = SimpleNamespace(vllm_config=config)
+        self.specs = specs
+        self.kv_cache_configs = None
+
+    def get_kv_cache_specs(self):
+        return [self.specs]
+
+    def get_supported_kv_cache_layouts(self):
+        from vllm.v1.worker.worker_base import WorkerBase
+
+        return [WorkerBase.get_supported_kv_cache_layouts(self.worker)]
+
+    def set_kv_cache_layout(self, *args):
+        from vllm.v1.worker.worker_base import WorkerBase
+
+        WorkerBase.set_kv_cache_layout(self.worker, *args)
+
+    def determine_available_memory(self):
+        return [KV_CACHE_MEMORY]
+
+    def initialize_from_config(self, kv_cache_configs):
+        self.kv_cache_configs = kv_cache_configs
+
+    def compile_or_warm_up_model(self):
+        return []
+
+    # 0.34's extensible KV cache (on by default where the GPU has VMM): its
+    # final size is not under test.
+    def extensible_kv_cache_unsupported_reason(self, specs):
+        return None
+
+    def extend_kv_cache(self, num_blocks):
+        pass
+
+
 def engine_core_kv_cache_config(config, specs):
-    """The engine core's KV-cache plan for one worker of ``specs``: vLLM's
-    ``get_kv_cache_configs`` (grouping, page unification, block counts),
-    then the block size it sets from the groups and its
-    ``validate_block_size`` (the DCP interleave against the block size)."""
-    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    """The engine core's KV-cache set-up for one worker of ``specs``
+    (``EngineCore._initialize_kv_caches``): prefix caching and chunked
+    prefill off for non-causal layers (a DSpark draft's), the KV-cache
+    layout, the plan (``get_kv_cache_configs``: grouping, page
+    unification), the block size it sets from the groups and its
+    ``validate_block_size``. Returns the worker's KV-cache config."""
+    from vllm.v1.engine.core import EngineCore
 
-    try:  # 0.34
-        from vllm.v1.core.kv_cache_planning import (
-            get_global_kv_cache_groups,
-            get_kv_cache_configs,
-        )
-    except ImportError:  # 0.32
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
-        kv_cache_configs = get_kv_cache_configs(config, [specs], [KV_CACHE_MEMORY])
-    else:
-        kv_cache_configs = get_kv_cache_configs(
-            config, [specs], [KV_CACHE_MEMORY],
-            get_global_kv_cache_groups(config, [specs]))
-    groups = generate_scheduler_kv_cache_config(kv_cache_configs).kv_cache_groups
-    if groups:
-        sizes = [g.kv_cache_spec.block_size for g in groups
-                 if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
-        config.cache_config.block_size = min(
-            sizes or [g.kv_cache_spec.block_size for g in groups])
-    config.validate_block_size()
-    return kv_cache_configs[0]
+    engine = object.__new__(EngineCore)
+    engine.model_executor = executor = _OneWorkerExecutor(config, specs)
+    EngineCore._initialize_kv_caches(engine, config)
+    return executor.kv_cache_configs[0]
 
 
-def build_config(flags: dict, target: Path):
-    """The ``VllmConfig`` of ``flags`` for a GPU, as vLLM has it when its
-    platform hook runs: the block size not yet chosen unless ``--block-size``
-    named it."""
+def build_config(flags: dict, target: Path, major: int):
+    """The ``VllmConfig`` of ``flags`` as vLLM builds it on an sm``major``0
+    host (``gpu_config.cuda_engine_config``: prefix caching, Kimi-K3's
+    mamba-cache mode and the CUDA-graph mode as vLLM sets them there), when
+    its platform hook runs: the block size not yet chosen unless
+    ``--block-size`` named it. The environment vLLM's config code set is
+    kept for ``start_config`` (the workers inherit it)."""
     from vllm.config.cache import CacheConfig
 
-    # vLLM's engine core turns prefix caching off for a model with non-causal
-    # attention layers (a DSpark draft's) before it plans the KV cache; the
-    # CPU platform's hook already does at config time, where vLLM's hybrid
-    # (KDA) config check then wants it off from the flags.
-    flags.setdefault("enable_prefix_caching", False)
-    config = gpu_engine_config(target, tp=flags.pop("tensor_parallel_size", 1),
-                               dcp=flags.pop("decode_context_parallel_size", 1),
-                               **flags)
+    config, env = cuda_engine_config(
+        target, major, tp=flags.pop("tensor_parallel_size", 1),
+        dcp=flags.pop("decode_context_parallel_size", 1), **flags)
     if not config.cache_config.user_specified_block_size:
         config.cache_config.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
+    _ENVIRONMENTS[id(config)] = env
+    weakref.finalize(config, _ENVIRONMENTS.pop, id(config), None)
     return config
 
 
-def _speculator_attn_config(config):
-    """The config the DSpark speculator builds its draft's metadata builders
-    with (vLLM's ``attn_vllm_config``: the draft's non-causal attention)."""
+# Per config of ``build_config``, by id: the environment its workers inherit.
+_ENVIRONMENTS: dict[int, dict] = {}
+
+
+def _speculator(config):
+    """The DSpark speculator as far as its attention and CUDA graphs go."""
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
@@ -437,7 +448,46 @@ def _speculator_attn_config(config):
     speculator.speculative_config = config.speculative_config
     speculator.requires_non_causal = dflash_has_any_non_causal(
         config.speculative_config.draft_model_config.hf_config)
-    return speculator.attn_vllm_config
+    return speculator
+
+
+def _draft_cudagraph_mode(speculator, runner_mode, draft_cg_support):
+    """The mode the DSpark speculator's ``init_cudagraph_manager`` gives its
+    graph manager, from the runner's mode and its draft layers' support."""
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash
+
+    modes = []
+    speculator.attn_cg_support = draft_cg_support
+    speculator.device = speculator.num_query_per_req = speculator.max_num_reqs = None
+    with mock.patch.object(dflash, "DFlashCudaGraphManager",
+                           lambda config, device, mode, **kwargs: modes.append(mode)):
+        speculator.init_cudagraph_manager(runner_mode)
+    return modes[0]
+
+
+def _runner_cudagraph_mode(config, model, cg_support, kv_cache_config):
+    """The target runner's CUDA-graph mode: vLLM's
+    ``resolve_cudagraph_mode_and_sizes`` with what Model Runner V2 passes it
+    (its attention groups' weakest support, the uniform decode query length,
+    piecewise capture available where breakable CUDA graphs are on or the
+    model has a compiled submodule)."""
+    import inspect
+
+    from vllm import envs
+    from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
+
+    compilation = config.compilation_config
+    kwargs = {}
+    if "use_v2_model_runner" in inspect.signature(
+            compilation.resolve_cudagraph_mode_and_sizes).parameters:  # 0.32
+        kwargs["use_v2_model_runner"] = True
+    return compilation.resolve_cudagraph_mode_and_sizes(
+        cg_support.min_cg_support, cg_support.min_cg_attn_backend,
+        config.uniform_decode_query_len, kv_cache_config=kv_cache_config,
+        max_num_reqs=config.scheduler_config.max_num_seqs, is_profiling=False,
+        piecewise_capture_available=bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH
+                                         or has_compiled_submodule(model)),
+        **kwargs)
 
 
 def _builders_by_layer(attn_groups) -> dict[str, object]:
@@ -461,7 +511,8 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
     def get_model(*, vllm_config, model_config=None, **kwargs):
         return initialize_model(vllm_config, model_config=model_config)
 
-    with plugin_registered(plugin), as_cuda_gpu(major) as cuda_platform, \
+    with plugin_registered(plugin), on_cuda_host(major) as cuda_platform, \
+            mock.patch.dict(os.environ, _ENVIRONMENTS.get(id(config), {})), \
             _worker_rank(cuda_platform, parallel.tensor_parallel_size,
                          parallel.decode_context_parallel_size), \
             set_default_torch_dtype(config.model_config.dtype), \
@@ -477,23 +528,27 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
         cuda_platform.update_block_size_for_backend(config)
         with set_current_vllm_config(config):
             specs = get_kv_cache_spec(config)
-            _resolve_kv_cache_layout(config, specs)
             kv_cache_config = engine_core_kv_cache_config(config, specs)
-            attn_groups, _, kernel_block_sizes = init_attn_backend(
+            attn_groups, cg_support, kernel_block_sizes = init_attn_backend(
                 kv_cache_config, config, torch.device("cpu"))
+            runner_mode = _runner_cudagraph_mode(config, target, cg_support,
+                                                 kv_cache_config)
             # The model runner's check of every layer's impl under DCP (LSE,
             # spec decode at the interleave), the target's layers for PCP.
             check_attention_cp_compatibility(
                 config, {name for group in kv_cache_config.kv_cache_groups
                          for name in group.layer_names} - draft_layers)
-            draft_attn_groups = []
+            draft_attn_groups, draft_mode = [], None
             if draft_layers:
                 # The DSpark speculator's own builders (its ``set_attn``).
-                draft_config = _speculator_attn_config(config)
+                speculator = _speculator(config)
+                draft_config = speculator.attn_vllm_config
                 with set_current_vllm_config(draft_config):
-                    draft_attn_groups, _, _ = init_attn_backend(
+                    draft_attn_groups, draft_cg_support, _ = init_attn_backend(
                         kv_cache_config, draft_config, torch.device("cpu"),
                         active_layer_names=draft_layers)
+                draft_mode = _draft_cudagraph_mode(speculator, runner_mode,
+                                                   draft_cg_support)
     context = config.compilation_config.static_forward_context
     runner_builders = _builders_by_layer(attn_groups)
     draft_builders = _builders_by_layer(draft_attn_groups)
@@ -514,11 +569,12 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
                        kernel_block_sizes=tuple(kernel_block_sizes),
                        layers=layers, state_layers=state_layers,
                        vllm_config=config, forward_builders=forward_builders,
+                       cudagraph_modes=(runner_mode, draft_mode),
                        runner_builders={name: runner_builders[name]
                                         for name in layers})
 
 
-def recipe_config(argv, root: Path, *, dcp: int | None = None,
+def recipe_config(argv, root: Path, *, major: int, dcp: int | None = None,
                   k3_layer_indices: bool = True, shape: PairShape = TINY):
     """Step 1 up to the start-up checks: the ``VllmConfig`` of ``vllm serve``
     ``argv`` (the flags after the model) for the tiny pair of ``shape``
@@ -526,14 +582,14 @@ def recipe_config(argv, root: Path, *, dcp: int | None = None,
     target, draft = write_tiny_k3_pair(root, shape)
     flags = engine_flags(serve_args(argv), target, draft, dcp=dcp,
                          k3_layer_indices=k3_layer_indices, shape=shape)
-    return build_config(flags, target)
+    return build_config(flags, target, major)
 
 
 def check_on_cuda(config, major: int) -> None:
     """The CUDA platform's config hook on ``config`` as on an sm``major``0
     GPU, the plugin's start-up checks appended to it as the plugin installs
     them there (the config itself was built on the CPU platform)."""
-    with as_cuda_gpu(major) as cuda_platform, _startup_checks_on(cuda_platform):
+    with on_cuda_host(major) as cuda_platform, _startup_checks_on(cuda_platform):
         cuda_platform.check_and_update_config(config)
 
 
@@ -543,7 +599,7 @@ def start_recipe(argv, major: int, root: Path, *, dcp: int | None = None,
     """Start ``vllm serve`` ``argv`` (the flags after the model) on an
     sm``major``0 GPU, at ``-dcp dcp`` if given: steps 1 to 3. Raises what
     vLLM or the plugin raises."""
-    config = recipe_config(argv, root, dcp=dcp, k3_layer_indices=k3_layer_indices,
-                           shape=shape)
+    config = recipe_config(argv, root, major=major, dcp=dcp,
+                           k3_layer_indices=k3_layer_indices, shape=shape)
     check_on_cuda(config, major)
     return start_config(config, major, plugin=plugin)
