@@ -229,9 +229,14 @@ class RecipeStart:
     # Per MLA layer, the target runner's builder of its KV-cache group (for
     # a draft layer, one that may serve target layers too).
     runner_builders: dict[str, object] = dataclasses.field(default_factory=dict)
-    # The CUDA-graph modes the target runner and the DSpark speculator
-    # resolve (None: no draft).
+    # The CUDA-graph mode the config asks for (vLLM's default on a GPU unless
+    # the flags name one), the modes the target runner and the DSpark
+    # speculator resolve from it (None: no draft), and the weakest support
+    # of the runner's and the speculator's attention groups (vLLM's
+    # ``AttentionCGSupportInfo``).
+    cudagraph_requested: object = None
     cudagraph_modes: tuple = (None, None)
+    cudagraph_support: tuple = (None, None)
 
     def role(self, draft: bool) -> tuple[str, str]:
         """(backend, KV dtype) of the target's (or draft's) layers; one pair."""
@@ -531,6 +536,7 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
             kv_cache_config = engine_core_kv_cache_config(config, specs)
             attn_groups, cg_support, kernel_block_sizes = init_attn_backend(
                 kv_cache_config, config, torch.device("cpu"))
+            requested = config.compilation_config.cudagraph_mode
             runner_mode = _runner_cudagraph_mode(config, target, cg_support,
                                                  kv_cache_config)
             # The model runner's check of every layer's impl under DCP (LSE,
@@ -538,7 +544,7 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
             check_attention_cp_compatibility(
                 config, {name for group in kv_cache_config.kv_cache_groups
                          for name in group.layer_names} - draft_layers)
-            draft_attn_groups, draft_mode = [], None
+            draft_attn_groups, draft_mode, draft_cg_support = [], None, None
             if draft_layers:
                 # The DSpark speculator's own builders (its ``set_attn``).
                 speculator = _speculator(config)
@@ -569,7 +575,9 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
                        kernel_block_sizes=tuple(kernel_block_sizes),
                        layers=layers, state_layers=state_layers,
                        vllm_config=config, forward_builders=forward_builders,
+                       cudagraph_requested=requested,
                        cudagraph_modes=(runner_mode, draft_mode),
+                       cudagraph_support=(cg_support, draft_cg_support),
                        runner_builders={name: runner_builders[name]
                                         for name in layers})
 
