@@ -478,7 +478,7 @@ def _runner_cudagraph_mode(config, model, cg_support, kv_cache_config):
     model has a compiled submodule)."""
     import inspect
 
-    from vllm import envs
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
     from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
 
     compilation = config.compilation_config
@@ -486,12 +486,14 @@ def _runner_cudagraph_mode(config, model, cg_support, kv_cache_config):
     if "use_v2_model_runner" in inspect.signature(
             compilation.resolve_cudagraph_mode_and_sizes).parameters:  # 0.32
         kwargs["use_v2_model_runner"] = True
+        breakable = is_breakable_cudagraph_enabled()  # from the environment
+    else:  # 0.34: from the config
+        breakable = is_breakable_cudagraph_enabled(compilation)
     return compilation.resolve_cudagraph_mode_and_sizes(
         cg_support.min_cg_support, cg_support.min_cg_attn_backend,
         config.uniform_decode_query_len, kv_cache_config=kv_cache_config,
         max_num_reqs=config.scheduler_config.max_num_seqs, is_profiling=False,
-        piecewise_capture_available=bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH
-                                         or has_compiled_submodule(model)),
+        piecewise_capture_available=bool(breakable or has_compiled_submodule(model)),
         **kwargs)
 
 
