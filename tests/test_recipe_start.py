@@ -8,12 +8,15 @@ backend named and not, interleave 1 and 16: vLLM's config from the exact
 flags, the plugin's start-up checks, vLLM's model classes for a tiny Kimi-K3
 target (KDA and MLA layers) and its K3 DSpark draft (each layer selecting its
 backend with its own KV dtype, the selector answering as sm90 / sm100),
-vLLM's KV-cache grouping and every group's metadata builder. At ``-dcp 8``
-each layer runs the backend and KV dtype expected (the README states them
-beside each recipe), and the plugin's settings read the KV dtype each layer
-was built with; at ``-dcp 1`` everything is vLLM's own (the same start
-without the plugin: where vLLM refuses a recipe's named backend at DCP 1,
-e.g. FLASHINFER_MLA for a Hopper draft, it refuses it with the plugin too).
+vLLM's KV-cache grouping, every group's metadata builder and the CUDA-graph
+modes. At ``-dcp 8`` each layer runs the backend and KV dtype expected (the
+README states them beside each recipe), the plugin's settings read the KV
+dtype each layer was built with, and the target and the draft keep full
+decode CUDA graphs; at ``-dcp 1`` everything is vLLM's own, also at
+Kimi-K3's shape for the README's recipes (the same start without the
+plugin, CUDA-graph modes and prefix caching included: where vLLM refuses a
+recipe's named backend at DCP 1, e.g. FLASHINFER_MLA for a Hopper draft, it
+refuses it with the plugin too).
 A config the start-up checks accept starts; one they refuse, naming a flag,
 would fail at model load.
 
@@ -22,8 +25,10 @@ its vision tower, 12 target layers KDA and MLA 3:1, a two-layer draft),
 where vLLM's hybrid grouping puts target and draft MLA layers in one
 KV-cache group: user variants (interleave 1/16/64, with and without
 ``--block-size``, a draft ``kv_cache_dtype``, k 3/4/7/8, a backend named or
-not, sm90 and sm100) start on the fast path, and every layer's forwards are
-built with its own model's setting.
+not, sm90 and sm100, prefix caching on as vLLM leaves it and off) start on
+the fast path with full decode CUDA graphs, and every layer's forwards are
+built with its own model's setting. vLLM's ``check_attention_cp_compatibility``
+is seen refusing an impl without the capabilities it asks for.
 """
 
 from __future__ import annotations

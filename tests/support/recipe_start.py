@@ -8,10 +8,11 @@ Kimi-K3's architecture and layer pattern), what vLLM runs before the first
 token, with vLLM's own code:
 
 1. the ``VllmConfig``, from the exact flags through vLLM's CLI parser and
-   ``EngineArgs`` (``cuda_selection.gpu_engine_config``: built on the CPU
-   platform, as a GPU would build it), then the CUDA platform's config hook
-   with the plugin's start-up checks in it, as on sm``major``0
-   (``check_on_cuda``);
+   ``EngineArgs``, vLLM's config code answering as on an sm``major``0 host
+   (``gpu_config.cuda_engine_config``: prefix caching, Kimi-K3's
+   mamba-cache mode, the compilation and CUDA-graph modes as vLLM sets them
+   there), then the CUDA platform's config hook with the plugin's start-up
+   checks in it (``check_on_cuda``);
 2. the worker's model load: vLLM's model classes for the target
    (``KimiLinearForCausalLM``, the text model Kimi-K3 builds: its KDA layers
    and its MLA layers, Kimi-K3's ``MultiHeadLatentAttention``; for
@@ -23,13 +24,16 @@ token, with vLLM's own code:
    (``cuda_selection.as_cuda_gpu``), the plugin's overrides registered;
 3. the platform's ``update_block_size_for_backend`` (vLLM's hybrid
    alignment), vLLM's KV-cache specs (``get_kv_cache_spec``), the engine
-   core's KV-cache layout (``resolve_kv_cache_layout``), its KV-cache plan
-   (``get_kv_cache_configs``: grouping, page unification) and
-   ``validate_block_size``, the model runner's
-   ``check_attention_cp_compatibility``, and every group's metadata builders
+   core's own KV-cache set-up (``EngineCore._initialize_kv_caches`` over
+   one worker: prefix caching and chunked prefill off for non-causal
+   layers, the layout, ``get_kv_cache_configs``, the block size and
+   ``validate_block_size``), every group's metadata builders
    (``init_attn_backend``): the target runner's, and the DSpark
    speculator's own for the draft's layers (its ``attn_vllm_config``), on
-   rank 0 of a faked DCP group.
+   rank 0 of a faked DCP group; the runner's CUDA-graph mode
+   (``resolve_cudagraph_mode_and_sizes`` as Model Runner V2 calls it) and
+   the speculator's (its ``init_cudagraph_manager``), and the model
+   runner's ``check_attention_cp_compatibility``.
 
 What stands in for a GPU: the process groups (a rank of ``-tp`` / ``-dcp``
 that talks to nobody), CUDA streams and events (none), the DCP
@@ -37,7 +41,9 @@ communication manager (no collectives), sm100's fused GEMM-RS/AR (off: NCCL
 symmetric memory), Tokenspeed's prefill JIT warm-up and the MLA *prefill*
 backend (a
 stand-in: FlashAttention's prefill kernels are absent from CPU builds; the
-decode backends are the subject). Any error vLLM or the plugin raises on the
+decode backends are the subject), the host's GPUs (8 of 80 GiB, Triton
+present), the worker's memory profile (8 GiB for the KV cache) and the
+CUDA-graph managers (only their modes are read). Any error vLLM or the plugin raises on the
 way is raised as is: a recipe that this does not start would fail on a GPU
 at that step.
 """
@@ -46,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import os
 import shlex
@@ -59,8 +64,11 @@ from unittest import mock
 import torch
 
 from tests.support.builder_harness import _fake_dcp_manager, fake_dcp_group
-from tests.support.cuda_selection import as_cuda_gpu, plugin_registered
+from tests.support.cuda_selection import plugin_registered
 from tests.support.gpu_config import cuda_engine_config, on_cuda_host
+from tests.support.gpu_startup import (draft_cudagraph_mode,
+                                       engine_core_kv_cache_config,
+                                       runner_cudagraph_mode)
 from tests.support.tiny_dspark import tiny_dspark_config
 
 K3_TARGET_LAYERS = 61  # Kimi-K3's; a recipe's layer indices are counted in it
@@ -278,7 +286,6 @@ def _import_on_cpu() -> None:
 def _worker_rank(cuda_platform, tp: int, dcp: int):
     """Rank 0 of ``-tp tp -dcp dcp`` without a process group, and the other
     GPU-only pieces the model classes construct."""
-    from vllm.config.vllm import VllmConfig
     from vllm.distributed import parallel_state
     from vllm.v1.attention.backends.mla.prefill import selector as prefill
 
@@ -287,9 +294,6 @@ def _worker_rank(cuda_platform, tp: int, dcp: int):
                                ranks=list(range(size)), is_first_rank=True,
                                is_last_rank=True)
 
-    runner_check = next(name for name in ("_validate_v1_model_runner",  # 0.32
-                                          "_validate_model_runner")  # 0.34
-                        if hasattr(VllmConfig, name))
     prefill._auto_select_mla_prefill_backend.cache_clear()
     try:
         with contextlib.ExitStack() as stack:
@@ -320,16 +324,8 @@ def _worker_rank(cuda_platform, tp: int, dcp: int):
                 "current_workspace_manager", lambda: _MetaWorkspace()))
             # The draft's config is rebuilt (vLLM's ``replace``), running the
             # platform's config hook, the plugin's start-up checks in it, as
-            # on a GPU (the plugin installs them on the platform it loads on)
-            # ...
+            # on a GPU (the plugin installs them on the platform it loads on).
             enter(_startup_checks_on(cuda_platform))
-            config_module = importlib.import_module("vllm.config.vllm")
-            if hasattr(config_module, "current_platform"):  # 0.34 binds it
-                enter(mock.patch.object(config_module, "current_platform",
-                                        importlib.import_module(
-                                            "vllm.platforms").current_platform))
-            # ... on a config whose model runner was chosen on the CPU platform.
-            enter(mock.patch.object(VllmConfig, runner_check))
             yield
     finally:
         prefill._auto_select_mla_prefill_backend.cache_clear()
@@ -360,64 +356,6 @@ def _startup_checks_on(platform_cls):
             del platform_cls.check_and_update_config
         else:
             platform_cls.check_and_update_config = saved
-
-
-KV_CACHE_MEMORY = 8 << 30  # bytes a worker offers the KV cache (plenty)
-
-
-class _OneWorkerExecutor:
-    """The executor as the engine core sees it, over one worker of
-    ``specs`` (rank 0): vLLM's worker methods answer its layout calls."""
-
-    def __init__(self, config, specs):
-        self.worker = SimpleNamespace(vllm_config=config)
-        self.specs = specs
-        self.kv_cache_configs = None
-
-    def get_kv_cache_specs(self):
-        return [self.specs]
-
-    def get_supported_kv_cache_layouts(self):
-        from vllm.v1.worker.worker_base import WorkerBase
-
-        return [WorkerBase.get_supported_kv_cache_layouts(self.worker)]
-
-    def set_kv_cache_layout(self, *args):
-        from vllm.v1.worker.worker_base import WorkerBase
-
-        WorkerBase.set_kv_cache_layout(self.worker, *args)
-
-    def determine_available_memory(self):
-        return [KV_CACHE_MEMORY]
-
-    def initialize_from_config(self, kv_cache_configs):
-        self.kv_cache_configs = kv_cache_configs
-
-    def compile_or_warm_up_model(self):
-        return []
-
-    # 0.34's extensible KV cache (on by default where the GPU has VMM): its
-    # final size is not under test.
-    def extensible_kv_cache_unsupported_reason(self, specs):
-        return None
-
-    def extend_kv_cache(self, num_blocks):
-        pass
-
-
-def engine_core_kv_cache_config(config, specs):
-    """The engine core's KV-cache set-up for one worker of ``specs``
-    (``EngineCore._initialize_kv_caches``): prefix caching and chunked
-    prefill off for non-causal layers (a DSpark draft's), the KV-cache
-    layout, the plan (``get_kv_cache_configs``: grouping, page
-    unification), the block size it sets from the groups and its
-    ``validate_block_size``. Returns the worker's KV-cache config."""
-    from vllm.v1.engine.core import EngineCore
-
-    engine = object.__new__(EngineCore)
-    engine.model_executor = executor = _OneWorkerExecutor(config, specs)
-    EngineCore._initialize_kv_caches(engine, config)
-    return executor.kv_cache_configs[0]
 
 
 def build_config(flags: dict, target: Path, major: int):
@@ -454,47 +392,6 @@ def _speculator(config):
     speculator.requires_non_causal = dflash_has_any_non_causal(
         config.speculative_config.draft_model_config.hf_config)
     return speculator
-
-
-def _draft_cudagraph_mode(speculator, runner_mode, draft_cg_support):
-    """The mode the DSpark speculator's ``init_cudagraph_manager`` gives its
-    graph manager, from the runner's mode and its draft layers' support."""
-    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash
-
-    modes = []
-    speculator.attn_cg_support = draft_cg_support
-    speculator.device = speculator.num_query_per_req = speculator.max_num_reqs = None
-    with mock.patch.object(dflash, "DFlashCudaGraphManager",
-                           lambda config, device, mode, **kwargs: modes.append(mode)):
-        speculator.init_cudagraph_manager(runner_mode)
-    return modes[0]
-
-
-def _runner_cudagraph_mode(config, model, cg_support, kv_cache_config):
-    """The target runner's CUDA-graph mode: vLLM's
-    ``resolve_cudagraph_mode_and_sizes`` with what Model Runner V2 passes it
-    (its attention groups' weakest support, the uniform decode query length,
-    piecewise capture available where breakable CUDA graphs are on or the
-    model has a compiled submodule)."""
-    import inspect
-
-    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
-    from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
-
-    compilation = config.compilation_config
-    kwargs = {}
-    if "use_v2_model_runner" in inspect.signature(
-            compilation.resolve_cudagraph_mode_and_sizes).parameters:  # 0.32
-        kwargs["use_v2_model_runner"] = True
-        breakable = is_breakable_cudagraph_enabled()  # from the environment
-    else:  # 0.34: from the config
-        breakable = is_breakable_cudagraph_enabled(compilation)
-    return compilation.resolve_cudagraph_mode_and_sizes(
-        cg_support.min_cg_support, cg_support.min_cg_attn_backend,
-        config.uniform_decode_query_len, kv_cache_config=kv_cache_config,
-        max_num_reqs=config.scheduler_config.max_num_seqs, is_profiling=False,
-        piecewise_capture_available=bool(breakable or has_compiled_submodule(model)),
-        **kwargs)
 
 
 def _builders_by_layer(attn_groups) -> dict[str, object]:
@@ -539,7 +436,7 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
             attn_groups, cg_support, kernel_block_sizes = init_attn_backend(
                 kv_cache_config, config, torch.device("cpu"))
             requested = config.compilation_config.cudagraph_mode
-            runner_mode = _runner_cudagraph_mode(config, target, cg_support,
+            runner_mode = runner_cudagraph_mode(config, target, cg_support,
                                                  kv_cache_config)
             # The model runner's check of every layer's impl under DCP (LSE,
             # spec decode at the interleave), the target's layers for PCP.
@@ -555,7 +452,7 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
                     draft_attn_groups, draft_cg_support, _ = init_attn_backend(
                         kv_cache_config, draft_config, torch.device("cpu"),
                         active_layer_names=draft_layers)
-                draft_mode = _draft_cudagraph_mode(speculator, runner_mode,
+                draft_mode = draft_cudagraph_mode(speculator, runner_mode,
                                                    draft_cg_support)
     context = config.compilation_config.static_forward_context
     runner_builders = _builders_by_layer(attn_groups)
@@ -598,7 +495,7 @@ def recipe_config(argv, root: Path, *, major: int, dcp: int | None = None,
 def check_on_cuda(config, major: int) -> None:
     """The CUDA platform's config hook on ``config`` as on an sm``major``0
     GPU, the plugin's start-up checks appended to it as the plugin installs
-    them there (the config itself was built on the CPU platform)."""
+    them there (``build_config`` left them out)."""
     with on_cuda_host(major) as cuda_platform, _startup_checks_on(cuda_platform):
         cuda_platform.check_and_update_config(config)
 
