@@ -434,7 +434,8 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
             specs = get_kv_cache_spec(config)
             kv_cache_config = engine_core_kv_cache_config(config, specs)
             attn_groups, cg_support, kernel_block_sizes = init_attn_backend(
-                kv_cache_config, config, torch.device("cpu"))
+                kv_cache_config, config, torch.device("cpu"),
+                draft_layer_names=draft_layers or None)
             requested = config.compilation_config.cudagraph_mode
             runner_mode = runner_cudagraph_mode(config, target, cg_support,
                                                  kv_cache_config)
