@@ -475,7 +475,8 @@ USER_VARIANTS = [
 def test_user_variants_start_on_the_fast_path(tmp_path, case):
     """Each variant passes the start-up checks and starts, every layer on
     the backend expected, with its own model's setting, through the engine
-    core's KV-cache plan and its ``validate_block_size``."""
+    core's KV-cache plan and its ``validate_block_size``, with full decode
+    CUDA graphs; at ``-dcp 1`` it starts as without the plugin."""
     _, major, flags, target, draft = case
     start = rs.start_recipe(shlex.split(flags), major, tmp_path, shape=rs.K3_LIKE)
     assert start.block_size % 128 == 0, start.block_size
@@ -490,6 +491,8 @@ def test_user_variants_start_on_the_fast_path(tmp_path, case):
     caching = "--no-enable-prefix-caching" not in flags
     assert (cache.enable_prefix_caching, cache.mamba_cache_mode) == (
         caching, "align" if caching else "none")
+    assert_upstream_at_dcp1(shlex.split(flags), major, tmp_path / "dcp1",
+                            shape=rs.K3_LIKE)
 
 
 # ---------------------------------------------------------------------------
