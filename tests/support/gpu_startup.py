@@ -55,7 +55,8 @@ class _OneWorkerExecutor:
 def engine_core_kv_cache_config(config, specs):
     """The engine core's KV-cache set-up for one worker of ``specs``
     (``EngineCore._initialize_kv_caches``): prefix caching and chunked
-    prefill off for non-causal layers (a DSpark draft's), the KV-cache
+    prefill off for layers whose spec says ``non_causal`` (a DSpark draft's
+    say ``non_causal_multi_token_decode``: both stay on), the KV-cache
     layout, the plan (``get_kv_cache_configs``: grouping, page
     unification), the block size it sets from the groups and its
     ``validate_block_size``. Returns the worker's KV-cache config."""
