@@ -187,7 +187,7 @@ def test_sm100_fp8_without_an_fp8_prefill_is_refused_and_would_fail(
         tmp_path, attention_config):
     flags = SM100_FP8 + (f" --attention-config '{attention_config}'"
                          if attention_config else "")
-    config = rs.recipe_config(shlex.split(flags), tmp_path / "check")
+    config = rs.recipe_config(shlex.split(flags), tmp_path / "check", major=10)
     from tests.support.cuda_selection import check_as_gpu
 
     with pytest.raises(ValueError, match="--attention-config"):

@@ -8,12 +8,15 @@ backend named and not, interleave 1 and 16: vLLM's config from the exact
 flags, the plugin's start-up checks, vLLM's model classes for a tiny Kimi-K3
 target (KDA and MLA layers) and its K3 DSpark draft (each layer selecting its
 backend with its own KV dtype, the selector answering as sm90 / sm100),
-vLLM's KV-cache grouping and every group's metadata builder. At ``-dcp 8``
-each layer runs the backend and KV dtype expected (the README states them
-beside each recipe), and the plugin's settings read the KV dtype each layer
-was built with; at ``-dcp 1`` everything is vLLM's own (the same start
-without the plugin: where vLLM refuses a recipe's named backend at DCP 1,
-e.g. FLASHINFER_MLA for a Hopper draft, it refuses it with the plugin too).
+vLLM's KV-cache grouping, every group's metadata builder and the CUDA-graph
+modes. At ``-dcp 8`` each layer runs the backend and KV dtype expected (the
+README states them beside each recipe), the plugin's settings read the KV
+dtype each layer was built with, and the target and the draft keep full
+decode CUDA graphs; at ``-dcp 1`` everything is vLLM's own, also at
+Kimi-K3's shape for the README's recipes (the same start without the
+plugin, CUDA-graph modes and prefix caching included: where vLLM refuses a
+recipe's named backend at DCP 1, e.g. FLASHINFER_MLA for a Hopper draft, it
+refuses it with the plugin too).
 A config the start-up checks accept starts; one they refuse, naming a flag,
 would fail at model load.
 
@@ -22,8 +25,10 @@ its vision tower, 12 target layers KDA and MLA 3:1, a two-layer draft),
 where vLLM's hybrid grouping puts target and draft MLA layers in one
 KV-cache group: user variants (interleave 1/16/64, with and without
 ``--block-size``, a draft ``kv_cache_dtype``, k 3/4/7/8, a backend named or
-not, sm90 and sm100) start on the fast path, and every layer's forwards are
-built with its own model's setting.
+not, sm90 and sm100, prefix caching on as vLLM leaves it and off) start on
+the fast path with full decode CUDA graphs, and every layer's forwards are
+built with its own model's setting. vLLM's ``check_attention_cp_compatibility``
+is seen refusing an impl without the capabilities it asks for.
 """
 
 from __future__ import annotations
@@ -74,25 +79,51 @@ def assert_settings_read_the_layers(start: rs.RecipeStart) -> None:
             f"vLLM built the layers with {layer_dtype}")
 
 
+def assert_full_decode_graphs(start: rs.RecipeStart) -> None:
+    """vLLM's CUDA-graph resolution keeps the mode a GPU asks for by
+    default (FULL_AND_PIECEWISE: full graphs for uniform decode batches,
+    the target's verify of 1 + k included) and the DSpark speculator
+    captures its draft blocks in full graphs (FULL_DECODE_ONLY): every
+    attention group, the DCP backends' included, supports uniform batches."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    assert start.cudagraph_requested == CUDAGraphMode.FULL_AND_PIECEWISE
+    runner, draft = start.cudagraph_support
+    assert start.cudagraph_modes == (CUDAGraphMode.FULL_AND_PIECEWISE,
+                                     CUDAGraphMode.FULL_DECODE_ONLY), (
+        f"runner {start.cudagraph_modes[0]} ({runner}), draft "
+        f"{start.cudagraph_modes[1]} ({draft})")
+
+
+def _start_or_refusal(argv, major: int, root: Path, **kwargs):
+    try:
+        return rs.start_recipe(argv, major, root, **kwargs)
+    except ValueError as error:
+        return str(error)
+
+
 def assert_upstream_at_dcp1(argv, major: int, root: Path, **kwargs) -> None:
     """At ``-dcp 1`` the recipe starts, or is refused, as without the plugin:
     per layer the same backend and KV dtype, and a builder that is vLLM's or
     a subclass of it (the plugin's overrides run vLLM's code at DCP 1); the
-    same block sizes."""
-    outcomes = []
-    for plugin in (True, False):
-        try:
-            outcomes.append(rs.start_recipe(argv, major, root / f"plugin-{plugin}",
-                                            dcp=1, plugin=plugin, **kwargs))
-        except ValueError as error:
-            outcomes.append(str(error))
-    ours, theirs = outcomes
+    same block sizes, prefix caching, CUDA-graph support and modes."""
+    ours, theirs = (_start_or_refusal(argv, major, root / f"plugin-{plugin}",
+                                      dcp=1, plugin=plugin, **kwargs)
+                    for plugin in (True, False))
     if isinstance(theirs, str):
         assert ours == theirs
         return
     assert not isinstance(ours, str), ours
     assert (ours.block_size, ours.kernel_block_sizes) == (
         theirs.block_size, theirs.kernel_block_sizes)
+    cache = [(start.vllm_config.cache_config.enable_prefix_caching,
+              start.vllm_config.cache_config.mamba_cache_mode)
+             for start in (ours, theirs)]
+    assert cache[0] == cache[1]
+    graphs = [(start.cudagraph_requested, start.cudagraph_modes,
+               [info and info.min_cg_support for info in start.cudagraph_support])
+              for start in (ours, theirs)]
+    assert graphs[0] == graphs[1]
     assert ours.layers.keys() == theirs.layers.keys()
     assert ours.state_layers == theirs.state_layers
     for name, layer in ours.layers.items():
@@ -152,7 +183,10 @@ def test_readme_recipe_starts(tmp_path, recipe):
     assert args.speculative_config["method"] == "dspark"
     start = rs.start_recipe(recipe["argv"], recipe["major"], tmp_path)
     assert_layers(start, recipe["target"], recipe["draft"])
-    assert_upstream_at_dcp1(recipe["argv"], recipe["major"], tmp_path)
+    assert_full_decode_graphs(start)
+    for shape in (rs.TINY, rs.K3_LIKE):
+        assert_upstream_at_dcp1(recipe["argv"], recipe["major"],
+                                tmp_path / f"dcp1-{shape.target}", shape=shape)
 
 
 # ---------------------------------------------------------------------------
@@ -200,6 +234,7 @@ def test_launcher_recipe_starts(tmp_path, major, kv, interleave, draft_backend):
     argv = launcher_argv(major, kv, interleave, draft_backend, target, draft)
     start = rs.start_recipe(argv, major, tmp_path, k3_layer_indices=False)
     assert_layers(start, *launcher_expected(major, kv, interleave, draft_backend))
+    assert_full_decode_graphs(start)
     assert_upstream_at_dcp1(launcher_argv(major, kv, interleave, draft_backend,
                                           target, draft, dcp=1),
                             major, tmp_path, k3_layer_indices=False)
@@ -294,7 +329,7 @@ def test_start_up_checks_agree_with_model_load(tmp_path, case, shape):
     from tests.support.cuda_selection import check_as_gpu
 
     _, major, flags, refused_by = case
-    config = rs.recipe_config(shlex.split(flags), tmp_path, shape=shape)
+    config = rs.recipe_config(shlex.split(flags), tmp_path, major=major, shape=shape)
     if refused_by is None:
         check_as_gpu(config, major)
         start = rs.start_config(config, major)
@@ -426,6 +461,13 @@ USER_VARIANTS = [
      f"--attention-config '{SM100_PREFILL}' "
      f"--cp-kv-cache-interleave-size 16 --speculative-config '{_k3_spec(3)}'",
      ("FLASHINFER_MLA", "fp8"), ("FLASHINFER_MLA", "fp8")),
+    # Prefix caching off: Kimi-K3's KDA state is then one block of
+    # max_model_len tokens (no mamba-cache alignment).
+    ("sm100-fp8-i64-no-prefix-caching", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' --no-enable-prefix-caching "
+     "--cp-kv-cache-interleave-size 64 "
+     f"--speculative-config '{_k3_spec(4, attention_backend='TOKENSPEED_MLA')}'",
+     ("FLASHINFER_MLA", "fp8"), ("TOKENSPEED_MLA", "fp8")),
 ]
 
 
@@ -433,9 +475,53 @@ USER_VARIANTS = [
 def test_user_variants_start_on_the_fast_path(tmp_path, case):
     """Each variant passes the start-up checks and starts, every layer on
     the backend expected, with its own model's setting, through the engine
-    core's KV-cache plan and its ``validate_block_size``."""
+    core's KV-cache plan and its ``validate_block_size``, with full decode
+    CUDA graphs; at ``-dcp 1`` it starts as without the plugin."""
     _, major, flags, target, draft = case
     start = rs.start_recipe(shlex.split(flags), major, tmp_path, shape=rs.K3_LIKE)
     assert start.block_size % 128 == 0, start.block_size
     assert_layers(start, target, draft)
     assert assert_each_layer_runs_its_models_setting(start) > 0
+    assert_full_decode_graphs(start)
+    # Prefix caching as vLLM leaves it on a GPU: on unless the flags say
+    # otherwise (a DSpark draft is not a non-causal model for the engine
+    # core), Kimi-K3's KDA state then cached in blocks aligned to the
+    # attention's ("align").
+    cache = start.vllm_config.cache_config
+    caching = "--no-enable-prefix-caching" not in flags
+    assert (cache.enable_prefix_caching, cache.mamba_cache_mode) == (
+        caching, "align" if caching else "none")
+    assert_upstream_at_dcp1(shlex.split(flags), major, tmp_path / "dcp1",
+                            shape=rs.K3_LIKE)
+
+
+# ---------------------------------------------------------------------------
+# The model runner's check of every layer's impl under DCP
+
+# What vLLM's ``check_attention_cp_compatibility`` asks of each impl, and
+# its refusal when an impl does not give it. No backend the plugin serves
+# under DCP lacks either (upstream's, which do, are refused earlier: at
+# selection, or by their builders under DSpark x DCP), so the check is seen
+# refusing FLASHMLA's impl with that capability taken away.
+CP_CHECK_CASES = [
+    ("supports_mtp_with_cp_non_trivial_interleave_size",
+     "MTP with cp_kv_cache_interleave_size > 1 is not supported in FlashMLADCPImpl"),
+    ("can_return_lse_for_decode",
+     r"\(DCP\) requires attention implementations to return the softmax LSE"),
+]
+
+
+@pytest.mark.parametrize("capability,refusal", CP_CHECK_CASES,
+                         ids=[c[0] for c in CP_CHECK_CASES])
+def test_vllm_cp_check_reads_every_layer_impl(tmp_path, monkeypatch, capability,
+                                              refusal):
+    """The recipe check runs vLLM's CP check on the impls the layers were
+    built with (target and draft, at Kimi-K3's shape): an impl without the
+    capability is refused with vLLM's message."""
+    from vllm.v1.attention.backends.mla.flashmla_dcp_mla import FlashMLADCPImpl
+
+    argv = shlex.split("-tp 8 -dcp 8 --cp-kv-cache-interleave-size 16 "
+                       f"--speculative-config '{_spec()}'")
+    monkeypatch.setattr(FlashMLADCPImpl, capability, False)
+    with pytest.raises(AssertionError, match=refusal):
+        rs.start_recipe(argv, 9, tmp_path, shape=rs.K3_LIKE)

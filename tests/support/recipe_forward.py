@@ -386,7 +386,7 @@ def k3_target_layer(argv, major: int, root: Path, *, dcp: int | None = None,
 
     from vllm.model_executor.layers.attention import mla_attention
 
-    config = rs.recipe_config(argv, root, dcp=dcp)
+    config = rs.recipe_config(argv, root, major=major, dcp=dcp)
     check_as_gpu(config, major)
     rs._import_on_cpu()
     hf = config.model_config.hf_text_config

@@ -8,10 +8,11 @@ Kimi-K3's architecture and layer pattern), what vLLM runs before the first
 token, with vLLM's own code:
 
 1. the ``VllmConfig``, from the exact flags through vLLM's CLI parser and
-   ``EngineArgs`` (``cuda_selection.gpu_engine_config``: built on the CPU
-   platform, as a GPU would build it), then the CUDA platform's config hook
-   with the plugin's start-up checks in it, as on sm``major``0
-   (``check_on_cuda``);
+   ``EngineArgs``, vLLM's config code answering as on an sm``major``0 host
+   (``gpu_config.cuda_engine_config``: prefix caching, Kimi-K3's
+   mamba-cache mode, the compilation and CUDA-graph modes as vLLM sets them
+   there), then the CUDA platform's config hook with the plugin's start-up
+   checks in it (``check_on_cuda``);
 2. the worker's model load: vLLM's model classes for the target
    (``KimiLinearForCausalLM``, the text model Kimi-K3 builds: its KDA layers
    and its MLA layers, Kimi-K3's ``MultiHeadLatentAttention``; for
@@ -23,13 +24,16 @@ token, with vLLM's own code:
    (``cuda_selection.as_cuda_gpu``), the plugin's overrides registered;
 3. the platform's ``update_block_size_for_backend`` (vLLM's hybrid
    alignment), vLLM's KV-cache specs (``get_kv_cache_spec``), the engine
-   core's KV-cache layout (``resolve_kv_cache_layout``), its KV-cache plan
-   (``get_kv_cache_configs``: grouping, page unification) and
-   ``validate_block_size``, the model runner's
-   ``check_attention_cp_compatibility``, and every group's metadata builders
+   core's own KV-cache set-up (``EngineCore._initialize_kv_caches`` over
+   one worker: prefix caching and chunked prefill off for non-causal
+   layers, the layout, ``get_kv_cache_configs``, the block size and
+   ``validate_block_size``), every group's metadata builders
    (``init_attn_backend``): the target runner's, and the DSpark
    speculator's own for the draft's layers (its ``attn_vllm_config``), on
-   rank 0 of a faked DCP group.
+   rank 0 of a faked DCP group; the runner's CUDA-graph mode
+   (``resolve_cudagraph_mode_and_sizes`` as Model Runner V2 calls it) and
+   the speculator's (its ``init_cudagraph_manager``), and the model
+   runner's ``check_attention_cp_compatibility``.
 
 What stands in for a GPU: the process groups (a rank of ``-tp`` / ``-dcp``
 that talks to nobody), CUDA streams and events (none), the DCP
@@ -37,7 +41,9 @@ communication manager (no collectives), sm100's fused GEMM-RS/AR (off: NCCL
 symmetric memory), Tokenspeed's prefill JIT warm-up and the MLA *prefill*
 backend (a
 stand-in: FlashAttention's prefill kernels are absent from CPU builds; the
-decode backends are the subject). Any error vLLM or the plugin raises on the
+decode backends are the subject), the host's GPUs (8 of 80 GiB, Triton
+present), the worker's memory profile (8 GiB for the KV cache) and the
+CUDA-graph managers (only their modes are read). Any error vLLM or the plugin raises on the
 way is raised as is: a recipe that this does not start would fail on a GPU
 at that step.
 """
@@ -46,9 +52,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
+import os
 import shlex
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,8 +64,11 @@ from unittest import mock
 import torch
 
 from tests.support.builder_harness import _fake_dcp_manager, fake_dcp_group
-from tests.support.cuda_selection import (as_cuda_gpu, check_as_gpu,
-                                          gpu_engine_config, plugin_registered)
+from tests.support.cuda_selection import plugin_registered
+from tests.support.gpu_config import cuda_engine_config, on_cuda_host
+from tests.support.gpu_startup import (draft_cudagraph_mode,
+                                       engine_core_kv_cache_config,
+                                       runner_cudagraph_mode)
 from tests.support.tiny_dspark import tiny_dspark_config
 
 K3_TARGET_LAYERS = 61  # Kimi-K3's; a recipe's layer indices are counted in it
@@ -227,6 +237,14 @@ class RecipeStart:
     # Per MLA layer, the target runner's builder of its KV-cache group (for
     # a draft layer, one that may serve target layers too).
     runner_builders: dict[str, object] = dataclasses.field(default_factory=dict)
+    # The CUDA-graph mode the config asks for (vLLM's default on a GPU unless
+    # the flags name one), the modes the target runner and the DSpark
+    # speculator resolve from it (None: no draft), and the weakest support
+    # of the runner's and the speculator's attention groups (vLLM's
+    # ``AttentionCGSupportInfo``).
+    cudagraph_requested: object = None
+    cudagraph_modes: tuple = (None, None)
+    cudagraph_support: tuple = (None, None)
 
     def role(self, draft: bool) -> tuple[str, str]:
         """(backend, KV dtype) of the target's (or draft's) layers; one pair."""
@@ -268,7 +286,6 @@ def _import_on_cpu() -> None:
 def _worker_rank(cuda_platform, tp: int, dcp: int):
     """Rank 0 of ``-tp tp -dcp dcp`` without a process group, and the other
     GPU-only pieces the model classes construct."""
-    from vllm.config.vllm import VllmConfig
     from vllm.distributed import parallel_state
     from vllm.v1.attention.backends.mla.prefill import selector as prefill
 
@@ -277,9 +294,6 @@ def _worker_rank(cuda_platform, tp: int, dcp: int):
                                ranks=list(range(size)), is_first_rank=True,
                                is_last_rank=True)
 
-    runner_check = next(name for name in ("_validate_v1_model_runner",  # 0.32
-                                          "_validate_model_runner")  # 0.34
-                        if hasattr(VllmConfig, name))
     prefill._auto_select_mla_prefill_backend.cache_clear()
     try:
         with contextlib.ExitStack() as stack:
@@ -310,16 +324,8 @@ def _worker_rank(cuda_platform, tp: int, dcp: int):
                 "current_workspace_manager", lambda: _MetaWorkspace()))
             # The draft's config is rebuilt (vLLM's ``replace``), running the
             # platform's config hook, the plugin's start-up checks in it, as
-            # on a GPU (the plugin installs them on the platform it loads on)
-            # ...
+            # on a GPU (the plugin installs them on the platform it loads on).
             enter(_startup_checks_on(cuda_platform))
-            config_module = importlib.import_module("vllm.config.vllm")
-            if hasattr(config_module, "current_platform"):  # 0.34 binds it
-                enter(mock.patch.object(config_module, "current_platform",
-                                        importlib.import_module(
-                                            "vllm.platforms").current_platform))
-            # ... on a config whose model runner was chosen on the CPU platform.
-            enter(mock.patch.object(VllmConfig, runner_check))
             yield
     finally:
         prefill._auto_select_mla_prefill_backend.cache_clear()
@@ -352,83 +358,31 @@ def _startup_checks_on(platform_cls):
             platform_cls.check_and_update_config = saved
 
 
-def _resolve_kv_cache_layout(config, specs) -> None:
-    """The engine core's KV-cache layout, from what the worker's backends
-    support (``resolve_kv_cache_layout``; the worker records it)."""
-    from vllm.distributed.kv_transfer.kv_connector.utils import (
-        get_current_attn_backends,
-    )
-    from vllm.v1.attention.backends import utils
-
-    supported = [layout.name for layout in utils.get_supported_kv_cache_layouts(
-        get_current_attn_backends(config))]
-    layout = utils.resolve_kv_cache_layout(config, [supported], specs.values())
-    utils.record_kv_cache_layout(config.cache_config, layout.name)
-
-
-def _get_kv_cache_groups():
-    try:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # 0.32
-    except ImportError:
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups  # 0.34
-    return get_kv_cache_groups
-
-
-KV_CACHE_MEMORY = 8 << 30  # bytes a worker offers the KV cache (plenty)
-
-
-def engine_core_kv_cache_config(config, specs):
-    """The engine core's KV-cache plan for one worker of ``specs``: vLLM's
-    ``get_kv_cache_configs`` (grouping, page unification, block counts),
-    then the block size it sets from the groups and its
-    ``validate_block_size`` (the DCP interleave against the block size)."""
-    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-
-    try:  # 0.34
-        from vllm.v1.core.kv_cache_planning import (
-            get_global_kv_cache_groups,
-            get_kv_cache_configs,
-        )
-    except ImportError:  # 0.32
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-
-        kv_cache_configs = get_kv_cache_configs(config, [specs], [KV_CACHE_MEMORY])
-    else:
-        kv_cache_configs = get_kv_cache_configs(
-            config, [specs], [KV_CACHE_MEMORY],
-            get_global_kv_cache_groups(config, [specs]))
-    groups = generate_scheduler_kv_cache_config(kv_cache_configs).kv_cache_groups
-    if groups:
-        sizes = [g.kv_cache_spec.block_size for g in groups
-                 if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
-        config.cache_config.block_size = min(
-            sizes or [g.kv_cache_spec.block_size for g in groups])
-    config.validate_block_size()
-    return kv_cache_configs[0]
-
-
-def build_config(flags: dict, target: Path):
-    """The ``VllmConfig`` of ``flags`` for a GPU, as vLLM has it when its
-    platform hook runs: the block size not yet chosen unless ``--block-size``
-    named it."""
+def build_config(flags: dict, target: Path, major: int):
+    """The ``VllmConfig`` of ``flags`` as vLLM builds it on an sm``major``0
+    host (``gpu_config.cuda_engine_config``: prefix caching, Kimi-K3's
+    mamba-cache mode and the CUDA-graph mode as vLLM sets them there), when
+    its platform hook runs: the block size not yet chosen unless
+    ``--block-size`` named it. The environment vLLM's config code set is
+    kept for ``start_config`` (the workers inherit it)."""
     from vllm.config.cache import CacheConfig
 
-    # vLLM's engine core turns prefix caching off for a model with non-causal
-    # attention layers (a DSpark draft's) before it plans the KV cache; the
-    # CPU platform's hook already does at config time, where vLLM's hybrid
-    # (KDA) config check then wants it off from the flags.
-    flags.setdefault("enable_prefix_caching", False)
-    config = gpu_engine_config(target, tp=flags.pop("tensor_parallel_size", 1),
-                               dcp=flags.pop("decode_context_parallel_size", 1),
-                               **flags)
+    config, env = cuda_engine_config(
+        target, major, tp=flags.pop("tensor_parallel_size", 1),
+        dcp=flags.pop("decode_context_parallel_size", 1), **flags)
     if not config.cache_config.user_specified_block_size:
         config.cache_config.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
+    _ENVIRONMENTS[id(config)] = env
+    weakref.finalize(config, _ENVIRONMENTS.pop, id(config), None)
     return config
 
 
-def _speculator_attn_config(config):
-    """The config the DSpark speculator builds its draft's metadata builders
-    with (vLLM's ``attn_vllm_config``: the draft's non-causal attention)."""
+# Per config of ``build_config``, by id: the environment its workers inherit.
+_ENVIRONMENTS: dict[int, dict] = {}
+
+
+def _speculator(config):
+    """The DSpark speculator as far as its attention and CUDA graphs go."""
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
     from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
 
@@ -437,7 +391,7 @@ def _speculator_attn_config(config):
     speculator.speculative_config = config.speculative_config
     speculator.requires_non_causal = dflash_has_any_non_causal(
         config.speculative_config.draft_model_config.hf_config)
-    return speculator.attn_vllm_config
+    return speculator
 
 
 def _builders_by_layer(attn_groups) -> dict[str, object]:
@@ -461,7 +415,8 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
     def get_model(*, vllm_config, model_config=None, **kwargs):
         return initialize_model(vllm_config, model_config=model_config)
 
-    with plugin_registered(plugin), as_cuda_gpu(major) as cuda_platform, \
+    with plugin_registered(plugin), on_cuda_host(major) as cuda_platform, \
+            mock.patch.dict(os.environ, _ENVIRONMENTS.get(id(config), {})), \
             _worker_rank(cuda_platform, parallel.tensor_parallel_size,
                          parallel.decode_context_parallel_size), \
             set_default_torch_dtype(config.model_config.dtype), \
@@ -477,23 +432,29 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
         cuda_platform.update_block_size_for_backend(config)
         with set_current_vllm_config(config):
             specs = get_kv_cache_spec(config)
-            _resolve_kv_cache_layout(config, specs)
             kv_cache_config = engine_core_kv_cache_config(config, specs)
-            attn_groups, _, kernel_block_sizes = init_attn_backend(
-                kv_cache_config, config, torch.device("cpu"))
+            attn_groups, cg_support, kernel_block_sizes = init_attn_backend(
+                kv_cache_config, config, torch.device("cpu"),
+                draft_layer_names=draft_layers or None)
+            requested = config.compilation_config.cudagraph_mode
+            runner_mode = runner_cudagraph_mode(config, target, cg_support,
+                                                 kv_cache_config)
             # The model runner's check of every layer's impl under DCP (LSE,
             # spec decode at the interleave), the target's layers for PCP.
             check_attention_cp_compatibility(
                 config, {name for group in kv_cache_config.kv_cache_groups
                          for name in group.layer_names} - draft_layers)
-            draft_attn_groups = []
+            draft_attn_groups, draft_mode, draft_cg_support = [], None, None
             if draft_layers:
                 # The DSpark speculator's own builders (its ``set_attn``).
-                draft_config = _speculator_attn_config(config)
+                speculator = _speculator(config)
+                draft_config = speculator.attn_vllm_config
                 with set_current_vllm_config(draft_config):
-                    draft_attn_groups, _, _ = init_attn_backend(
+                    draft_attn_groups, draft_cg_support, _ = init_attn_backend(
                         kv_cache_config, draft_config, torch.device("cpu"),
                         active_layer_names=draft_layers)
+                draft_mode = draft_cudagraph_mode(speculator, runner_mode,
+                                                   draft_cg_support)
     context = config.compilation_config.static_forward_context
     runner_builders = _builders_by_layer(attn_groups)
     draft_builders = _builders_by_layer(draft_attn_groups)
@@ -514,11 +475,14 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
                        kernel_block_sizes=tuple(kernel_block_sizes),
                        layers=layers, state_layers=state_layers,
                        vllm_config=config, forward_builders=forward_builders,
+                       cudagraph_requested=requested,
+                       cudagraph_modes=(runner_mode, draft_mode),
+                       cudagraph_support=(cg_support, draft_cg_support),
                        runner_builders={name: runner_builders[name]
                                         for name in layers})
 
 
-def recipe_config(argv, root: Path, *, dcp: int | None = None,
+def recipe_config(argv, root: Path, *, major: int, dcp: int | None = None,
                   k3_layer_indices: bool = True, shape: PairShape = TINY):
     """Step 1 up to the start-up checks: the ``VllmConfig`` of ``vllm serve``
     ``argv`` (the flags after the model) for the tiny pair of ``shape``
@@ -526,14 +490,14 @@ def recipe_config(argv, root: Path, *, dcp: int | None = None,
     target, draft = write_tiny_k3_pair(root, shape)
     flags = engine_flags(serve_args(argv), target, draft, dcp=dcp,
                          k3_layer_indices=k3_layer_indices, shape=shape)
-    return build_config(flags, target)
+    return build_config(flags, target, major)
 
 
 def check_on_cuda(config, major: int) -> None:
     """The CUDA platform's config hook on ``config`` as on an sm``major``0
     GPU, the plugin's start-up checks appended to it as the plugin installs
-    them there (the config itself was built on the CPU platform)."""
-    with as_cuda_gpu(major) as cuda_platform, _startup_checks_on(cuda_platform):
+    them there (``build_config`` left them out)."""
+    with on_cuda_host(major) as cuda_platform, _startup_checks_on(cuda_platform):
         cuda_platform.check_and_update_config(config)
 
 
@@ -543,7 +507,7 @@ def start_recipe(argv, major: int, root: Path, *, dcp: int | None = None,
     """Start ``vllm serve`` ``argv`` (the flags after the model) on an
     sm``major``0 GPU, at ``-dcp dcp`` if given: steps 1 to 3. Raises what
     vLLM or the plugin raises."""
-    config = recipe_config(argv, root, dcp=dcp, k3_layer_indices=k3_layer_indices,
-                           shape=shape)
+    config = recipe_config(argv, root, major=major, dcp=dcp,
+                           k3_layer_indices=k3_layer_indices, shape=shape)
     check_on_cuda(config, major)
     return start_config(config, major, plugin=plugin)
