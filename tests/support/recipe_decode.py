@@ -34,6 +34,7 @@ import torch
 
 from tests.support import recipe_forward as rf
 from tests.support import recipe_start as rs
+from tests.support.gpu_config import on_cuda_host
 
 FP8 = torch.float8_e4m3fn
 
@@ -44,13 +45,17 @@ class _Captured(Exception):
 
 def draft_vllm_config(config):
     """The draft's ``VllmConfig`` as vLLM's ``load_dspark_model`` makes it,
-    taken at its call of ``get_model`` (the model is not built)."""
+    taken at its call of ``get_model`` (the model is not built), on the GPU
+    host of the current (CUDA) platform, whose config checks it passes."""
+    import vllm.platforms
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
     def get_model(*, vllm_config, **kwargs):
         raise _Captured(vllm_config)
 
-    with mock.patch("vllm.model_executor.model_loader.get_model", get_model):
+    major = vllm.platforms.current_platform.get_device_capability().major
+    with on_cuda_host(major), \
+            mock.patch("vllm.model_executor.model_loader.get_model", get_model):
         try:
             load_dspark_model(None, config)
         except _Captured as captured:
@@ -78,7 +83,7 @@ def dspark_draft_layer(k3: rf.K3Layer, *, num_blocks: int = 48,
     layer = block.self_attn
     rf._random_weights(layer, seed)
     rf._process_weights(layer)
-    speculator_config = rs._speculator_attn_config(config)
+    speculator_config = rs._speculator(config).attn_vllm_config
     spec = layer.get_kv_cache_spec(draft_config)
     group = AttentionGroup(layer.get_attn_backend(), [layer.layer_name], spec, 0)
     with set_current_vllm_config(speculator_config):
