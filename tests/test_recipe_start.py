@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -308,6 +309,15 @@ AGREEMENT_CASES = [
      f"--attention-config '{SM100_PREFILL}' "
      f"--speculative-config '{_spec(attention_backend='TOKENSPEED_MLA')}'",
      None),
+    # An MLA backend without DSpark x DCP: vLLM's builder refuses it in the
+    # workers, after the weights load.
+    ("sm100-cutlass-named", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' --attention-backend CUTLASS_MLA "
+     f"--speculative-config '{_spec()}'", "--attention-backend"),
+    ("sm100-cutlass-named-draft", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' "
+     f"--speculative-config '{_spec(attention_backend='CUTLASS_MLA')}'",
+     "attention_backend in --speculative-config"),
 ]
 
 
@@ -338,7 +348,12 @@ def test_start_up_checks_agree_with_model_load(tmp_path, case, shape):
     with pytest.raises(ValueError) as refusal:
         check_as_gpu(config, major)
     assert refused_by in str(refusal.value)
-    with pytest.raises(ValueError):
+    # What vLLM's workers do with it, the plugin's start-up checks left out
+    # (vLLM's DSpark loader runs the config hook again on the draft's).
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
+
+    with mock.patch.object(dcp_startup_checks, "check_vllm_config",
+                           lambda config: None), pytest.raises(ValueError):
         rs.start_config(config, major)
 
 

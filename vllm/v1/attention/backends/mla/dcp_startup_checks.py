@@ -37,6 +37,8 @@ Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
     align: its selector would give the draft TRITON_MLA
     (``_refuse_provisional_draft_block``); on Kimi-K3 (hybrid) the DCP
     backends' selection judges the aligned block size instead.
+  * CUDA, DSpark: an MLA backend named for the target or the draft that
+    has no DSpark x DCP path (``_refuse_named_backend_without_dspark_dcp``).
   * Any platform: the interleave against an explicit ``--block-size`` (as
     vLLM's alignment will leave it).
 A backend vLLM picks by itself on CUDA is known only inside the workers;
@@ -213,6 +215,7 @@ def check_vllm_config(vllm_config) -> None:
             choice.name, dataclasses.replace(setting, block_size=block_size),
             chosen_by=choice.chosen_by, kernel_blocks=True)
     if not current_platform.is_cpu():
+        _refuse_named_backend_without_dspark_dcp(vllm_config)
         _refuse_provisional_draft_block(vllm_config, gpu_major)
     if not choices and vllm_config.cache_config.user_specified_block_size:
         setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major)
@@ -221,6 +224,28 @@ def check_vllm_config(vllm_config) -> None:
             setting = dataclasses.replace(setting, block_size=(
                 checks.hybrid_aligned_block_size(setting.block_size)))
         checks.raise_if_layout_unsupported(setting)
+
+
+def _refuse_named_backend_without_dspark_dcp(vllm_config) -> None:
+    """An MLA backend named for the target's or the draft's layers under
+    DSpark x DCP that is none of the plugin's (CUTLASS_MLA, say): vLLM's
+    builder refuses DSpark's multi-token queries under DCP for it
+    (``_validate_dspark_dcp_support``), but only in the workers, after the
+    weights load."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "dspark":
+        return
+    served = sorted(set(checks.PROBLEMS) - {checks.CPU_MLA})
+    for backend, flag in ((vllm_config.attention_config.backend, _TARGET_FLAG),
+                          (spec.attention_backend, _DRAFT_FLAG)):
+        if backend is None or "MLA" not in backend.name or backend.name in served:
+            continue
+        raise ValueError(
+            f"{flag} names {backend.name}, which does not run DSpark's "
+            f"multi-token MLA queries under decode context parallelism (vLLM's "
+            f"{backend.name} builder would refuse them in the workers, after "
+            f"the weights load): name one of {', '.join(served)} in {flag}, "
+            "leave it out for vLLM's choice, or pass -dcp 1.")
 
 
 def _refuse_provisional_draft_block(vllm_config, gpu_major: int | None) -> None:
