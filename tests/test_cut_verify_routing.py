@@ -27,7 +27,6 @@ outputs of cut blocks are checked against dense attention per backend in
 from __future__ import annotations
 
 import contextlib
-import sys
 from types import SimpleNamespace
 from unittest import mock
 
@@ -80,10 +79,9 @@ def _flashinfer(major):
                mock.patch.object(module, "_get_workspace_buffer",
                                  lambda *a, **k: torch.empty(8, dtype=torch.uint8))]
     if major == 9:
-        from tests.test_flashinfer_sm90_mla import fake_flashinfer_package
+        from tests.support.flashinfer_fa3_fake import flashinfer_mla_faked
 
-        patches.append(mock.patch.dict(sys.modules,
-                                       {"flashinfer.mla": fake_flashinfer_package().mla}))
+        patches.append(flashinfer_mla_faked())
     return module.FlashInferDCPMLAMetadataBuilder, patches, 64 if major == 10 else 16, "auto"
 
 

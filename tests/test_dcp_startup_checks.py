@@ -15,7 +15,8 @@ import json
 import pytest
 
 from tests.support.builder_harness import TINY_MLA_CONFIG, cpu_with_amx, cpu_without_amx
-from tests.support.cuda_selection import check_as_gpu, engine_config, gpu_engine_config
+from tests.support.cuda_selection import (check_as_gpu, engine_config, gpu_engine_config,
+                                          plugin_registered)
 from vllm.v1.attention.backends.mla.dcp_config_checks import default_block_size
 
 
@@ -112,7 +113,8 @@ def test_default_block_size_table_is_vllms(backend):
     module = {"FLASHINFER_MLA": "flashinfer_dcp_mla",
               "TOKENSPEED_MLA": "tokenspeed_dcp_mla"}[backend]
     import_on_cpu(f"vllm.v1.attention.backends.mla.{module}")
-    backend_cls = AttentionBackendEnum[backend].get_class()
+    with plugin_registered(True):
+        backend_cls = AttentionBackendEnum[backend].get_class()
     assert backend_cls.__module__.endswith(module)  # the plugin's override
     assert checks.KERNEL_BLOCK_SIZES[backend] == tuple(
         backend_cls.get_supported_kernel_block_sizes())
@@ -312,3 +314,33 @@ def test_draft_kv_dtype_without_block_size_refused_off_hybrid_models(dspark_pair
         check_as_gpu(config, major)
     check_as_gpu(gpu_engine_config(target, dcp=8, block_size=64, **flags), major)
     check_as_gpu(gpu_engine_config(target, dcp=1, **flags), major)
+
+
+@pytest.mark.parametrize("target,draft,method,refused", [
+    ("CUTLASS_MLA", None, "dspark", "--attention-backend"),
+    (None, "CUTLASS_MLA", "dspark", "attention_backend in --speculative-config"),
+    ("CUTLASS_MLA", None, "mtp", None),  # no DSpark: vLLM's own routing
+    # vLLM's own DSpark x DCP backends, and the plugin's.
+    ("KIMI_K3_KV_BALANCED_MLA", "FLASHMLA_SPARSE", "dspark", None),
+    ("FLASHMLA", "TRITON_MLA", "dspark", None),
+])
+def test_named_backend_without_dspark_dcp_refused(target, draft, method, refused):
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
+
+    def named(name):
+        return None if name is None else SimpleNamespace(name=name)
+
+    config = SimpleNamespace(
+        attention_config=SimpleNamespace(backend=named(target)),
+        speculative_config=SimpleNamespace(method=method,
+                                           attention_backend=named(draft)))
+    if refused is None:
+        dcp_startup_checks._refuse_named_backend_without_dspark_dcp(config, 10)
+        return
+    with pytest.raises(ValueError, match="CUTLASS_MLA") as refusal:
+        dcp_startup_checks._refuse_named_backend_without_dspark_dcp(config, 9)
+    message = str(refusal.value)
+    assert f"name FLASHMLA or TRITON_MLA in {refused}" in message
+    assert "-dcp 1" in message

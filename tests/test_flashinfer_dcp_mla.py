@@ -31,7 +31,7 @@ from tests.support.builder_harness import (
     make_vllm_config)
 from tests.support.dense_reference import full_attention, random_decode_batch
 from tests.support.kernel_stubs import import_on_cpu
-from tests.test_flashinfer_sm90_mla import _FakeWrapper, fake_flashinfer_package
+from tests.support.flashinfer_fa3_fake import FakeFA3Wrapper, fake_flashinfer_package
 from tests.support.triton_interpreted import (
     needs_triton, run_triton_path_tests, runs_where_triton_cannot)
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
@@ -57,7 +57,7 @@ def sm90(monkeypatch):
     monkeypatch.setattr(module.checks, "current_gpu_major", lambda: 9)
     monkeypatch.setattr(module, "_get_workspace_buffer",
                         lambda *a, **k: torch.empty(8, dtype=torch.uint8))
-    _FakeWrapper.calls = []
+    FakeFA3Wrapper.calls = []
     return module
 
 
@@ -139,12 +139,12 @@ def _run_ranks(sm90, tmp_path, *, world, interleave, causal, shape, seed=0,
                                        generator=gen) if host_overcount is None
                          else host_overcount)
             common.seq_lens_cpu_upper_bound = (common.seq_lens + overcount).int()
-            before = sum(c[0] == "plan" for c in _FakeWrapper.calls)
+            before = sum(c[0] == "plan" for c in FakeFA3Wrapper.calls)
             metadata = builder.build(0, common)
             q = batch.q.bfloat16()
             results = [impl.forward_mqa(q, cache.bfloat16(), metadata, _layer())
                        for _ in layer_names]
-            plans.append(sum(c[0] == "plan" for c in _FakeWrapper.calls) - before)
+            plans.append(sum(c[0] == "plan" for c in FakeFA3Wrapper.calls) - before)
             kernel = metadata.decode.plan
             planned.append(type(kernel).__name__)
         for out, lse in results[1:]:

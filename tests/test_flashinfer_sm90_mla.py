@@ -18,7 +18,6 @@ import importlib
 import inspect
 import math
 import sys
-import types
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from hypothesis import strategies as st
 
 
 from tests.support import fa3_native
+from tests.support.flashinfer_fa3_fake import FakeFA3Wrapper, fake_flashinfer_package
 from tests.support.fa3_native import FlashInferSm90MLAGraphed as GraphedFA3
 from tests.support.triton_interpreted import (
     DEVICE, needs_triton, run_triton_path_tests, runs_where_triton_cannot)
@@ -72,105 +72,13 @@ def test_native_paged_kv_csr_matches_python(seed):
     assert kv_indptr.dtype == torch.int32 == kv_indices.dtype
 
 
-class _FakeWrapper:
-    """Stand-in for BatchMLAPagedAttentionWrapper(backend="fa3").
-
-    Computes each planned segment's non-causal attention over the pages its
-    CSR entry lists (``kv_indices`` read when ``run`` is called) with the ops
-    layer's reference; returns a base-2 LSE like FlashInfer and NaN on
-    segments without KV, as a real kernel may leave them.
-    """
-
-    calls: list = []
-
-    def __init__(self, workspace, backend="auto", **kwargs):
-        _FakeWrapper.calls.append(("init", dict(backend=backend, **kwargs)))
-        self.meta = None
-        # CUDA-graph mode: reserved metadata buffers, rewritten by every plan.
-        self.graph = kwargs.get("use_cuda_graph", False)
-        self.reserved = {k: kwargs.get(k) for k in ("qo_indptr", "kv_indptr",
-                                                     "kv_indices", "kv_len_arr")}
-
-    def plan(self, **kwargs):
-        _FakeWrapper.calls.append(("plan", kwargs))
-        meta = kwargs["metadata"]
-        if kwargs["causal"]:
-            raise NotImplementedError("the adapter plans non-causal segments")
-        # What FlashInfer reads on the host at plan time.
-        self.qo = meta.qo_indptr.cpu().long()
-        self.kv_indptr = meta.kv_indptr.cpu().long()
-        self.kv_lens = meta.kv_len_arr.cpu().long()
-        assert self.qo.shape[0] == self.kv_lens.shape[0] + 1
-        self.kv_indices = meta.kv_indices  # read at run time
-        if self.graph:  # as FlashInfer: exact shapes, indices may be larger
-            for name in ("qo_indptr", "kv_indptr", "kv_len_arr"):
-                src, dst = getattr(meta, name), self.reserved[name]
-                if dst.shape != src.shape:
-                    raise ValueError(f"CUDA graph reserved {name} buffer has "
-                                     "insufficient or incompatible capacity.")
-                dst.copy_(src)
-            src, dst = meta.kv_indices, self.reserved["kv_indices"]
-            if dst.shape[0] < src.shape[0]:
-                raise ValueError("kv_indices capacity")
-            if src.data_ptr() != dst.data_ptr():
-                dst[: src.shape[0]].copy_(src)
-            self.kv_indices = dst
-        self.planned_shape = (int(self.qo[-1]), kwargs["num_heads"])
-        self.kw = kwargs
-
-    def run(self, **kwargs):
-        _FakeWrapper.calls.append(("run", kwargs))
-        q, kv = kwargs["query"], kwargs["kv_cache"]
-        if tuple(q.shape[:2]) != self.planned_shape:  # FlashInfer 0.7.4
-            raise ValueError("q_nope rows and heads must match the planned query shape.")
-        out, lse = kwargs["out"], kwargs["lse"]
-        indices = self.kv_indices.cpu().long()
-        page = self.kw["page_size"]
-        for s in range(self.kv_lens.shape[0]):
-            rows = slice(int(self.qo[s]), int(self.qo[s + 1]))
-            n = int(self.kv_lens[s])
-            if n == 0:
-                out[rows] = float("nan")
-                lse[rows] = float("nan")
-                continue
-            pages = indices[int(self.kv_indptr[s]):int(self.kv_indptr[s + 1])]
-            assert pages.numel() == -(-n // page)
-            keys = kv[pages.to(kv.device)].reshape(-1, kv.shape[-1])[:n].double()
-            scores = torch.einsum("thd,kd->thk", q[rows].double(), keys)
-            scores = scores * self.kw["sm_scale"]
-            seg_lse = torch.logsumexp(scores, dim=-1)
-            out[rows] = (torch.softmax(scores, dim=-1) @ keys[:, :512]).to(out.dtype)
-            lse[rows] = (seg_lse / math.log(2.0)).float()
-        return out, lse
-
-
-class _FakeMeta:
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
-
-    @classmethod
-    def csr(cls, qo_indptr, kv_indptr, kv_indices, kv_len_arr):
-        return cls(qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                   kv_indices=kv_indices, kv_len_arr=kv_len_arr)
-
-
-def fake_flashinfer_package() -> types.ModuleType:
-    """A ``flashinfer`` package whose ``mla`` module's FA3 wrapper is the
-    plan-honouring fake."""
-    pkg = types.ModuleType("flashinfer")
-    pkg.mla = types.ModuleType("flashinfer.mla")
-    pkg.mla.BatchMLAPagedAttentionWrapper = _FakeWrapper
-    pkg.mla.MLAPlanMetadata = _FakeMeta
-    return pkg
-
-
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     pkg = fake_flashinfer_package()
     monkeypatch.setitem(sys.modules, "flashinfer", pkg)
     monkeypatch.setitem(sys.modules, "flashinfer.mla", pkg.mla)
-    _FakeWrapper.calls = []
-    return _FakeWrapper
+    FakeFA3Wrapper.calls = []
+    return FakeFA3Wrapper
 
 
 def _dcp_case(seed, causal, page=16, lens=(3, 40, 70, 9, 2)):

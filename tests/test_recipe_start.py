@@ -320,6 +320,22 @@ AGREEMENT_CASES = [
      "attention_backend in --speculative-config"),
 ]
 
+# What the workers say for each refused case (vLLM's builders and selector,
+# with the plugin's backends' own selection checks), the start-up checks
+# left out.
+WORKER_REFUSALS = {
+    "sm90-fp8-skip-list": "FLASHINFER_MLA on sm90 reads a bf16/fp16 KV cache",
+    "sm90-bf16-i16-flash-attn-named":
+        "FLASH_ATTN_MLA serves DSpark under decode context parallelism at "
+        "--cp-kv-cache-interleave-size 1 only",
+    "sm90-fp8-flash-attn-named": "kv_cache_dtype not supported",
+    "sm100-tokenspeed-target-verify-9": "decodes at most 8 query tokens per request",
+    "sm100-tokenspeed-both-verify-9": "decodes at most 8 query tokens per request",
+    "sm100-cutlass-named": "does not support causal multi-token MLA attention for "
+                           "DSpark with decode context parallelism",
+    "sm100-cutlass-named-draft": "non-causal MLA attention with DCP not supported",
+}
+
 
 # Also at Kimi-K3's shape, where target and draft MLA layers share a
 # KV-cache group (and, with one backend, a builder).
@@ -338,7 +354,7 @@ def test_start_up_checks_agree_with_model_load(tmp_path, case, shape):
     and the workers would have refused it at model load."""
     from tests.support.cuda_selection import check_as_gpu
 
-    _, major, flags, refused_by = case
+    case_id, major, flags, refused_by = case
     config = rs.recipe_config(shlex.split(flags), tmp_path, major=major, shape=shape)
     if refused_by is None:
         check_as_gpu(config, major)
@@ -353,7 +369,8 @@ def test_start_up_checks_agree_with_model_load(tmp_path, case, shape):
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
     with mock.patch.object(dcp_startup_checks, "check_vllm_config",
-                           lambda config: None), pytest.raises(ValueError):
+                           lambda config: None), \
+            pytest.raises(ValueError, match=re.escape(WORKER_REFUSALS[case_id])):
         rs.start_config(config, major)
 
 

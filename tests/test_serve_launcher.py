@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path

@@ -280,7 +280,6 @@ def test_replicated_cache_builder_sees_dcp_size_1(tmp_path):
     vLLM builds such a cache at DCP size 1 (>= 0.33) so does the plugin, and
     DCP-only limits (here an interleave that does not divide the block) do
     not apply; a sharded cache still fails."""
-    import dataclasses
 
     from tests.support.builder_harness import fake_dcp_group, register_fake_mla_layers
     from tests.support.dense_reference import KV_LORA_RANK, ROPE_DIM

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import sys
 from dataclasses import dataclass
 from unittest import mock
 
@@ -112,15 +111,15 @@ _WORKSPACES = (("vllm.v1.attention.backends.mla.flashinfer_dcp_mla", "_get_works
 @contextlib.contextmanager
 def decode_stand_ins(major: int):
     """The decode kernels of an sm``major``0 recipe: FA3 (FlashInfer's, the
-    plan-honouring fake of ``test_flashinfer_sm90_mla``, on sm90;
+    plan-honouring fake of ``flashinfer_fa3_fake``, on sm90;
     FlashAttention's, ``FlashAttnMLAReference``), the tail launch and vLLM's
     Triton MLA decode (``decode_kernel_stubs``); FlashInfer's MLA decode and
     Tokenspeed's (``kernel_stubs``). FlashMLA is
     ``recipe_forward.kernel_stand_ins``'."""
     from tests.support import decode_kernel_stubs as stubs
+    from tests.support.flashinfer_fa3_fake import flashinfer_mla_faked
     from tests.support.kernel_stubs import (TokenspeedMLAReference,
                                             TrtllmMLAReference, import_on_cpu)
-    from tests.test_flashinfer_sm90_mla import _FakeWrapper, fake_flashinfer_package
 
     flash_attn = stubs.FlashAttnMLAReference()
     with contextlib.ExitStack() as stack:
@@ -146,9 +145,7 @@ def decode_stand_ins(major: int):
                                     lambda *args, **kwargs: torch.empty(8, dtype=torch.int8)))
         enter(mock.patch("tokenspeed_mla.tokenspeed_mla_decode", TokenspeedMLAReference()))
         if major == 9:
-            enter(mock.patch.dict(sys.modules, {"flashinfer.mla":
-                                                fake_flashinfer_package().mla}))
-            _FakeWrapper.calls = []
+            enter(flashinfer_mla_faked())
         yield
 
 

@@ -245,7 +245,9 @@ class DCPRowsImplMixin:
     uniform batch the builder left to upstream).
 
     Subclasses put it before the vLLM impl they extend and implement
-    ``forward_rows``; they finish with ``dcp_epilogue.finish_rows_decode``.
+    ``forward_rows``, whose rows without local KV must come out with LSE
+    -inf and output 0 (``dcp_epilogue.finish_rows_decode``, or the kernel's
+    own last launch).
     """
 
     # Every query token has its own local bound, so causal verify and draft

@@ -37,8 +37,9 @@ Checked here (``-dcp`` > 1 only; ``-dcp 1`` is left entirely to vLLM):
     align: its selector would give the draft TRITON_MLA
     (``_refuse_provisional_draft_block``); on Kimi-K3 (hybrid) the DCP
     backends' selection judges the aligned block size instead.
-  * CUDA, DSpark: an MLA backend named for the target or the draft that
-    has no DSpark x DCP path (``_refuse_named_backend_without_dspark_dcp``).
+  * CUDA, DSpark: CUTLASS_MLA named for the target or the draft, which
+    vLLM refuses under DSpark x DCP
+    (``_refuse_named_backend_without_dspark_dcp``).
   * Any platform: the interleave against an explicit ``--block-size`` (as
     vLLM's alignment will leave it).
 A backend vLLM picks by itself on CUDA is known only inside the workers;
@@ -215,7 +216,7 @@ def check_vllm_config(vllm_config) -> None:
             choice.name, dataclasses.replace(setting, block_size=block_size),
             chosen_by=choice.chosen_by, kernel_blocks=True)
     if not current_platform.is_cpu():
-        _refuse_named_backend_without_dspark_dcp(vllm_config)
+        _refuse_named_backend_without_dspark_dcp(vllm_config, gpu_major)
         _refuse_provisional_draft_block(vllm_config, gpu_major)
     if not choices and vllm_config.cache_config.user_specified_block_size:
         setting = checks.DCPSetting.from_vllm_config(vllm_config, gpu_major)
@@ -226,26 +227,33 @@ def check_vllm_config(vllm_config) -> None:
         checks.raise_if_layout_unsupported(setting)
 
 
-def _refuse_named_backend_without_dspark_dcp(vllm_config) -> None:
-    """An MLA backend named for the target's or the draft's layers under
-    DSpark x DCP that is none of the plugin's (CUTLASS_MLA, say): vLLM's
-    builder refuses DSpark's multi-token queries under DCP for it
-    (``_validate_dspark_dcp_support``), but only in the workers, after the
-    weights load."""
+# CUDA MLA backends vLLM refuses under DSpark x DCP for the target's causal
+# verify (their builders' ``supports_dcp_with_varlen``) and for the draft's
+# non-causal block (their selection); read off vLLM 0.32 / 0.34, where every
+# other dense MLA backend either is the plugin's or serves it upstream
+# (vLLM 0.34's KIMI_K3_KV_BALANCED_MLA).
+NO_DSPARK_DCP_CUDA_BACKENDS = ("CUTLASS_MLA",)
+
+
+def _refuse_named_backend_without_dspark_dcp(vllm_config, gpu_major) -> None:
+    """A backend of ``NO_DSPARK_DCP_CUDA_BACKENDS`` named for the target's or
+    the draft's layers under DSpark x DCP: vLLM refuses it only in the
+    workers, after the weights load (``_validate_dspark_dcp_support``, or
+    its selector for the draft)."""
     spec = vllm_config.speculative_config
     if spec is None or spec.method != "dspark":
         return
-    served = sorted(set(checks.PROBLEMS) - {checks.CPU_MLA})
+    served = checks.FLASHMLA if gpu_major == 9 else checks.FLASHINFER_MLA
     for backend, flag in ((vllm_config.attention_config.backend, _TARGET_FLAG),
                           (spec.attention_backend, _DRAFT_FLAG)):
-        if backend is None or "MLA" not in backend.name or backend.name in served:
+        if backend is None or backend.name not in NO_DSPARK_DCP_CUDA_BACKENDS:
             continue
         raise ValueError(
-            f"{flag} names {backend.name}, which does not run DSpark's "
-            f"multi-token MLA queries under decode context parallelism (vLLM's "
-            f"{backend.name} builder would refuse them in the workers, after "
-            f"the weights load): name one of {', '.join(served)} in {flag}, "
-            "leave it out for vLLM's choice, or pass -dcp 1.")
+            f"{flag} names {backend.name}, which vLLM refuses for DSpark's "
+            f"multi-token MLA queries under decode context parallelism (in "
+            f"the workers, after the weights load): name {served} or "
+            f"{checks.TRITON_MLA} in {flag}, leave it out for vLLM's choice, "
+            "or pass -dcp 1.")
 
 
 def _refuse_provisional_draft_block(vllm_config, gpu_major: int | None) -> None:
