@@ -113,14 +113,24 @@ def test_chunked_context_at_dcp8_reads_every_rank(tmp_path, case):
             out = rf.run_prefill(k3, CHUNKED, chunked, table)
         fp8_query = k3.chosen_prefill == "TRTLLM_RAGGED"
         assert set(k3.prefill.q_dtypes) == {rf.FP8 if fp8_query else torch.bfloat16}
-        starts = [0, CHUNKED.new[0]]
+        scale = float(k3.layer._k_scale)
+        starts, first_starts = [0, CHUNKED.new[0]], [0, FIRST.new[0]]
         for request in range(2):
             n = CHUNKED.new[request]
             rows = slice(starts[request], starts[request] + n)
             own = torch.cat([chunked.kv_c_normed[rows].double(),
                              chunked.k_pe[rows, 0].double()], dim=-1)
-            context = global_context(k3, rank_caches, table, request,
-                                     CHUNKED.context[request], interleave)
+            # The context from the first step's inputs: fp8 with the scale,
+            # read back into bf16 by the dequantizing gather.
+            written = slice(first_starts[request],
+                            first_starts[request] + CHUNKED.context[request])
+            latent = torch.cat([first.kv_c_normed[written].float(),
+                                first.k_pe[written, 0].float()], dim=-1)
+            context = ((latent / scale).to(rf.FP8).double() * scale).to(
+                torch.bfloat16).double()
+            # Each rank's cache holds its share of it, where the layout says.
+            assert torch.equal(context, global_context(
+                k3, rank_caches, table, request, CHUNKED.context[request], interleave))
             expected = rf.reference_attention(
                 k3, chunked.q[rows], torch.cat([context, own]), CHUNKED.context[request],
                 query_dtype=rf.FP8 if fp8_query else torch.bfloat16)

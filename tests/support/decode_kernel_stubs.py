@@ -163,14 +163,17 @@ def decode_attention_fwd(q, k_buffer, v_buffer, o, lse, req_to_token, b_seq_len,
     ``req_to_token`` row (block ids); values are ``v_buffer``'s first Dv
     columns; fp8 buffers times ``k_scale`` / ``v_scale``; vLLM 0.34's
     ``sliding_window``: only a row's last that many keys. Writes ``o``
-    [B, H, Dv] and the natural-log ``lse`` [B, H]."""
+    [B, H, Dv] and the natural-log ``lse`` [B, H]; NaN for a row without
+    keys (the kernel's split reduction divides by an empty sum there)."""
     assert is_mla and logit_cap == 0.0
+    assert attn_logits.shape[2] == num_kv_splits  # the kernel's own check
     keys = _as_values(k_buffer)[:, :, 0] * (float(k_scale) if k_scale is not None else 1.0)
     values = _as_values(v_buffer)[:, :, 0] * (float(v_scale) if v_scale is not None else 1.0)
     for b in range(q.shape[0]):
         length = int(b_seq_len[b])
         position = torch.arange(max(0, length - (sliding_window or length)), length)
         if position.numel() == 0:
+            o[b], lse[b] = float("nan"), float("nan")
             continue
         blocks = req_to_token[b, position // page_size].long()
         scores = q[b].double() @ keys[blocks, position % page_size].T * sm_scale
