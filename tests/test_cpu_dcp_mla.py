@@ -151,6 +151,28 @@ def test_dcp1_is_upstream(tmp_path):
     assert torch.equal(out, ref)
 
 
+def test_dcp_decode_needs_rows_for_every_query_token(tmp_path):
+    """Under DCP the impl decodes only on its builder's rows: other decode
+    metadata, or fewer rows than query tokens, is an error, not a decode."""
+    batch = random_decode_batch([37, 5], [2, 2], block_size=16, seed=4)
+    with dcp_context(tmp_path, 2, 0, 1):
+        impl = make_impl(batch.scale)
+        builder = make_builder(CPUDCPMLAMetadataBuilder,
+                               make_vllm_config(tmp_path / "m", dcp=2,
+                                                num_speculative_tokens=3))
+    common = common_metadata([37, 5], [2, 2], batch.block_table, world_size=2,
+                             rank=0, interleave=1)
+    metadata = builder.build(0, common)
+    assert isinstance(metadata.decode, DCPDecodeMetadata)
+    cache = torch.nan_to_num(batch.kv_cache)
+    too_many = torch.cat([batch.q, batch.q[:1]])
+    with pytest.raises(ValueError, match="5 decode query tokens but the metadata has 4"):
+        impl.forward_mqa(too_many, cache, metadata, None)
+    upstream_decode = SimpleNamespace(decode=SimpleNamespace())
+    with pytest.raises(TypeError, match="CPUDCPMLAMetadataBuilder"):
+        impl.forward_mqa(batch.q, cache, upstream_decode, None)
+
+
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 @pytest.mark.parametrize("interleave", [1, 16])
 @pytest.mark.parametrize("causal", [True, False])

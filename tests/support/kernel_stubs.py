@@ -139,7 +139,7 @@ class TrtllmMLAReference(_SignatureBoundKernel):
     global causal bound on a token-striped (interleave 1) layout.
     Natural-log LSE [B, q_len, H]. Compact variable-Q layout (FlashInfer's
     docstring: ``cum_seq_lens_q`` [B + 1] int32, 0 .. total_q, non-decreasing;
-    ``max_q_len`` at least the longest; no LSE on this path): query
+    ``max_q_len`` at least the longest; taken without LSE, as vLLM calls it): query
     [total_q, H, D], request ``b``'s ``n_b`` tokens at rows
     ``cum_seq_lens_q[b]`` on, causal over ``seq_lens[b]`` the same way;
     output [total_q, H, Dv].
@@ -174,7 +174,7 @@ class TrtllmMLAReference(_SignatureBoundKernel):
 
     def _compact(self, a):
         query, cum = a["query"], a["cum_seq_lens_q"]
-        assert not a["return_lse"] and not a["enable_dcp"], "no LSE on the compact path"
+        assert not a["return_lse"] and not a["enable_dcp"], "vLLM asks no LSE here"
         assert cum.dtype == torch.int32 and int(cum[0]) == 0
         assert int(cum[-1]) == query.shape[0] and bool((cum[1:] >= cum[:-1]).all())
         lens = cum[1:] - cum[:-1]
