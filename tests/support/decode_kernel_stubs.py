@@ -90,6 +90,9 @@ def tail_merge(q, kv_cache, block_table, row_lens, prefix_lens, out, lse, *,
             scores = q_values[t] @ keys.T * sm_scale  # [H, keys]
             parts.append((torch.softmax(scores, -1) @ keys[:, :dv],
                           torch.logsumexp(scores, -1)))
+        if not parts:  # a prefix no piece covers: a planner's error shows as NaN
+            parts.append((torch.full((q.shape[1], dv), float("nan"), dtype=F64),
+                          torch.full((q.shape[1],), float("nan"), dtype=F64)))
         results.append(_merge(parts))
     out.copy_(torch.stack([o for o, _ in results]).to(out.dtype))
     lse.copy_(torch.stack([l for _, l in results]).float())
