@@ -32,10 +32,6 @@ from tests.support import recipe_forward as rf
 FIRST = rf.PrefillStep(context=[0, 0], new=[600, 530])
 CHUNKED = rf.PrefillStep(context=[600, 530], new=[70, 45])
 WORLD = 8
-# Float64 attention on the values the prefill takes: one bf16 ulp for a
-# bf16 query; the fp8 decode's bound for an fp8 query (tests/test_recipe_forward.py).
-BF16_TOLERANCE = 2 ** -7
-FP8_QUERY_TOLERANCE = 3e-2
 
 CASES = {
     "sm90-fp8-i1": (9, "-tp 8 -dcp 8 --kv-cache-dtype fp8"),
@@ -134,7 +130,6 @@ def test_chunked_context_at_dcp8_reads_every_rank(tmp_path, case):
             expected = rf.reference_attention(
                 k3, chunked.q[rows], torch.cat([context, own]), CHUNKED.context[request],
                 query_dtype=rf.FP8 if fp8_query else torch.bfloat16)
-            error = ((out[rows].double() - expected).abs().max()
-                     / expected.abs().max()).item()
-            assert error <= (FP8_QUERY_TOLERANCE if fp8_query else BF16_TOLERANCE), \
-                (request, error)
+            error = rf.relative_error(out[rows], expected)
+            assert error <= (rf.FP8_QUERY_TOLERANCE if fp8_query
+                             else rf.BF16_TOLERANCE), (request, error)

@@ -36,13 +36,6 @@ from tests.test_recipe_start import LAUNCHER_CASES, README_RECIPES, launcher_arg
 # (FLASH_ATTN_MLA's decodes up to 512 query tokens, FLASHMLA's 128).
 FIRST = rf.PrefillStep(context=[0, 0], new=[600, 530])
 CHUNKED = rf.PrefillStep(context=[600, 530], new=[520, 545])
-# Largest error relative to the largest output, against float64 attention
-# on the values the prefill takes: the bf16 output's rounding (one bf16 ulp,
-# 2^-7); for an fp8 prefill query (sm100: q, k, v cast to fp8, the reference
-# on the same fp8 values) the fp8 decode's bound (FlashMLA's fp8 decode is
-# about 3e-2 from float32 at outputs of about 1, README).
-BF16_TOLERANCE = 2 ** -7
-FP8_QUERY_TOLERANCE = 3e-2
 FP8_ASSERTION = "Kimi-K3 fp8 KV cache requires an fp8 prefill query"
 
 
@@ -100,8 +93,8 @@ def test_recipe_serves_its_first_prompt(tmp_path, case):
     # -dcp 1: the same against float64 attention.
     with rf.k3_target_layer([*argv, "-dcp", "1"], major, tmp_path / "dcp1") as k3:
         (out_first, out_chunked), (first, chunked), table = _run_prompt(k3)
-        tolerance = (FP8_QUERY_TOLERANCE if _expected_query_dtype(k3) == rf.FP8
-                     else BF16_TOLERANCE)
+        tolerance = (rf.FP8_QUERY_TOLERANCE if _expected_query_dtype(k3) == rf.FP8
+                     else rf.BF16_TOLERANCE)
         assert_matches_reference(k3, out_first, out_chunked, first, chunked, table,
                                  tolerance)
 
@@ -131,7 +124,7 @@ def assert_matches_reference(k3, out_first, out_chunked, first, chunked, table,
         CHUNKED.context[0], query_dtype=query_dtype)
     for got, expected in ((out_first[:n_first], expected_first),
                           (out_chunked[:n_new], expected_chunked)):
-        error = ((got.double() - expected).abs().max() / expected.abs().max()).item()
+        error = rf.relative_error(got, expected)
         assert error <= tolerance, (error, layer.kv_cache_dtype)
 
 
@@ -163,7 +156,7 @@ def test_hopper_fp8_prefill_matches_float64_on_the_fp8_values(tmp_path):
         (out_first, out_chunked), (first, chunked), table = _run_prompt(k3)
         assert set(k3.prefill.q_dtypes) == {torch.bfloat16}
         assert_matches_reference(k3, out_first, out_chunked, first, chunked,
-                                 table, BF16_TOLERANCE)
+                                 table, rf.BF16_TOLERANCE)
         # The cache holds the new latent as fp8 with the scale.
         stored = rf.cached_latent(k3, table, 1, FIRST.new[1])
         second = slice(FIRST.new[0], sum(FIRST.new))
@@ -246,5 +239,5 @@ def test_hopper_fp8_verify_reads_the_latent_the_prefill_wrote(tmp_path):
         expected = rf.reference_decode(k3, verify.q[:VERIFY.new[0]], latent,
                                        VERIFY.context[0])
         got = out[:VERIFY.new[0]].double()
-        error = ((got - expected).abs().max() / expected.abs().max()).item()
-        assert error <= FP8_QUERY_TOLERANCE, error
+        error = rf.relative_error(got, expected)
+        assert error <= rf.FP8_QUERY_TOLERANCE, error

@@ -386,3 +386,9 @@ def test_sm100_fp8_passes_an_fp8_prefill_unless_the_user_names_one(tmp_path):
                      10) == (None, True)
     for argv, major in ((fp8, 9), (fp8, None), (base, 10)):
         assert attention(argv, [], major) == (None, False)
+    # The launcher imports no vLLM module, so it keeps its own copy of what
+    # the start-up check names.
+    from vllm.v1.attention.backends.mla import k3_fp8_prefill
+
+    assert (serve.SM100_FP8_PREFILL_ATTENTION_CONFIG
+            == k3_fp8_prefill.SM100_FP8_PREFILL_ATTENTION_CONFIG)

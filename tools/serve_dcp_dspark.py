@@ -114,6 +114,8 @@ def hopper_bf16_draft(args: argparse.Namespace, major: int | None) -> bool:
 # vLLM PR #52188's prefill for Kimi-K3 over an fp8 KV cache on sm100: its MLA
 # layer prefills that cache with an fp8 query only, which vLLM gives with an
 # fp8 prefill backend and query quantization (vLLM picks FLASH_ATTN, bf16).
+# The start-up check's message names the same (``k3_fp8_prefill``; this
+# launcher imports no vLLM module, tests/test_serve_launcher.py compares).
 SM100_FP8_PREFILL_ATTENTION_CONFIG = (
     '{"mla_prefill_backend":"TRTLLM_RAGGED","use_prefill_query_quantization":true}')
 

@@ -298,13 +298,9 @@ def partial_errors(k3: rf.K3Layer, got_out, got_lse, expected_out, expected_lse,
     if not k3.layer.impl.lse_base_on_e:
         got_lse = got_lse * math.log(2.0)
     assert got_out.shape[1] == expected_out.shape[1] * world
-    out_error = relative_error(got_out, expected_out.repeat(1, world, 1))
+    out_error = rf.relative_error(got_out, expected_out.repeat(1, world, 1))
     lse_error = (got_lse - expected_lse.repeat(1, world)).abs().max().item()
     return out_error, lse_error
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((got.double() - expected).abs().max() / expected.abs().max()).item()
 
 
 def up_projected(k3: rf.K3Layer, latent_out: torch.Tensor) -> torch.Tensor:

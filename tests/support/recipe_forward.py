@@ -46,6 +46,18 @@ from tests.support.cuda_selection import as_cuda_gpu, check_as_gpu, plugin_regis
 
 FP8 = torch.float8_e4m3fn
 BLOCK_SIZE = 64  # every recipe's KV block size on the GPUs (FlashMLA's)
+# Largest error relative to the largest output (``relative_error``), against
+# float64 attention on the values the layer takes: the bf16 output's rounding
+# (one bf16 ulp, 2^-7); for an fp8 prefill query (sm100: q, k, v cast to fp8,
+# the reference on the same fp8 values) the fp8 decode's bound (FlashMLA's
+# fp8 decode is about 3e-2 from float32 at outputs of about 1, README).
+BF16_TOLERANCE = 2 ** -7
+FP8_QUERY_TOLERANCE = 3e-2
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |got - expected| / max |expected|, in float64."""
+    return ((got.double() - expected).abs().max() / expected.abs().max()).item()
 
 
 # ---------------------------------------------------------------------------
