@@ -14,8 +14,9 @@ split partials.
 
 ``finish``: the layer (graph replay median, us) with FlashMLA only (no
 finishing launch: the floor of any fusion), with the finishing launch as
-before this issue (tails compiled in, 8 warps), and as now (no tail code for a
-DSpark block); the outputs of the two launches compared bitwise.
+before issue 40 (one program per row and 16 heads, ``column_blocks=1``), and
+as now (``column_blocks_for`` the grid: 4 programs along Dv on a small
+batch); the outputs of the two launches compared bitwise.
 
 ``vsplit``: FlashMLA over each request cut into N pieces (N virtual requests
 of local / N keys, q repeated): what a planner-side split of small batches
@@ -66,8 +67,9 @@ def _plan(point):
         max_reqs=point.batch, max_rows=point.num_rows, num_heads=point.heads,
         kv_lora_rank=DV, fp8=point.fp8, num_sms=num_compute_units(0),
         device=point.q.device)
-    return planner.plan(point.flat, point.table, num_reqs=point.batch,
-                        num_rows=point.num_rows, causal=point.causal, forward_id=1)
+    return planner.plan(point.flat, point.table, query_start_loc=point.qsl,
+                        query_start_loc_cpu=point.qsl.cpu(), num_rows=point.num_rows,
+                        causal=point.causal, forward_id=1)
 
 
 def _run_fn(point, finish):
@@ -94,7 +96,7 @@ def _run_fn(point, finish):
 def _old_finish(*args, **kwargs):
     from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
-    kwargs.update(has_tails=True, num_warps=8)
+    kwargs.update(column_blocks=1)
     return tail_merge(*args, **kwargs)
 
 

@@ -135,7 +135,8 @@ class Point:
             dcp_tot_seq_lens=self.local_lens * self.world, flat=self.flat,
             causal=self.causal, max_query_len=self.q_len, layout=self.layout,
             forward_id=1)
-        decode.plan = planner.plan(self.flat, self.table, num_reqs=self.batch,
+        decode.plan = planner.plan(self.flat, self.table, query_start_loc=self.qsl,
+                                   query_start_loc_cpu=self.qsl.cpu(),
                                    num_rows=self.num_rows, causal=self.causal,
                                    forward_id=1)
         metadata = SimpleNamespace(decode=decode, max_seq_len=self.local)

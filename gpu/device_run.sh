@@ -3,7 +3,7 @@
 # from the carried bundle (gpu/README.md), then the named steps, each under a
 # timeout, output under $OUT.
 #
-#   bash gpu/device_run.sh [tests] [bench] [decode] [fmla] [k3prefill]  (repo root, on the
+#   bash gpu/device_run.sh [tests] [bench] [decode] [fmla] [k3prefill] [finish] [step]  (repo root, on the
 #                                                         device; carry [".bundle"])
 #   tests   the CUDA tests: FLASHINFER_MLA (sm90) and TRITON_MLA through
 #           vLLM's classes (builders, forward_mqa, the selector, CUDA graphs
@@ -19,6 +19,11 @@
 #           plain fp8 cache (bf16 query) against the bf16 prefill, one layer,
 #           96 / 128 heads, 8K / 32K prompt tokens, checked against float32
 #           (torch only: runs without the bundle too)
+#   finish  benchmarks/flashmla_latency.py's finish part: FLASHMLA's layer at
+#           batch 1-8 x 16-64K, 96 / 128 heads, FlashMLA alone, without the
+#           finishing launch, with it as before issue 40 and as now (same call)
+#   step    benchmarks/flashmla_rows.py's 61-layer step at batch 1 x 256K,
+#           W 1 against W 8, 96 heads
 # TESTS_K (a pytest -k expression) narrows the tests step.
 set -u
 OUT=${OUT:-.out}; mkdir -p "$OUT"
@@ -42,6 +47,10 @@ for step in "${@:-tests}"; do
              | tee "$OUT/flashmla_rows.txt" | grep -v -i warn ;;
     k3prefill) timeout 280 python3 -m benchmarks.k3_fp8_prefill 2>&1 \
              | tee "$OUT/k3_fp8_prefill.txt" | grep -v -i warn ;;
-    *) echo "unknown step $step (tests, bench, decode, fmla, k3prefill)"; exit 2 ;;
+    finish) timeout 330 python3 -m benchmarks.flashmla_latency --parts finish \
+             --batch 1 2 4 8 --out-dir "$OUT" 2>&1 | tee "$OUT/finish.txt" | grep -v -i warn ;;
+    step) timeout 200 python3 -m benchmarks.flashmla_rows --parts step --heads 96 \
+             --step-batch 1 --out-dir "$OUT" 2>&1 | tee "$OUT/step.txt" | grep -v -i warn ;;
+    *) echo "unknown step $step (tests, bench, decode, fmla, k3prefill, finish, step)"; exit 2 ;;
   esac
 done

@@ -433,6 +433,67 @@ def test_triton_path_tail_merge_matches_reference(dtype, keys, stages):
 
 
 @needs_triton
+@pytest.mark.parametrize("column_blocks", [1, 2, 4, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_path_tail_merge_column_blocks_flashmla_layout(dtype, column_blocks):
+    """The finishing launch as FLASHMLA's rows call it (the prefix LSE in
+    FlashMLA's [R, H, s], natural log) with each (row, head block) cut into
+    1, 2 or 4 programs along Dv (None: the launch's own choice, 4 at this
+    size): tails of one and of several loop steps, a request with no prefix,
+    an empty row, a row whose bound is below its prefix (NaN), against
+    float32 attention over each row's keys."""
+    from vllm.v1.attention.ops.mla_tail_merge import column_blocks_for, tail_merge
+
+    gen = torch.Generator().manual_seed(11)
+    reqs, s, heads, page = 3, 4, 20, 4
+    tokens = reqs * s
+    cache = torch.randn(40, page, 576, generator=gen).to(dtype)
+    table = torch.randint(1, 40, (tokens, 12), generator=gen).int()
+    req_prefix = torch.tensor([9, 0, 5]).int()
+    prefix = req_prefix.repeat_interleave(s)
+    row_lens = torch.tensor([9, 10, 11, 12, 0, 0, 1, 2, 5, 5, 3, 40]).int()
+    q = torch.randn(tokens, heads, 576, generator=gen).to(dtype)
+    scale = 0.05
+    pre_out, pre_lse = dcp.mla_decode_reference(q.float(), cache.float(), table,
+                                                prefix.clamp(max=row_lens), kv_lora_rank=512,
+                                                scale=scale)
+    ref_out, ref_lse = dcp.mla_decode_reference(q.float(), cache.float(), table,
+                                                row_lens, kv_lora_rank=512, scale=scale)
+    out = pre_out.to(dtype)
+    out[prefix == 0] = float("nan")  # what a kernel may leave without keys
+    lse_in = pre_lse.view(reqs, s, heads).transpose(1, 2).contiguous()
+    lse = torch.full((tokens, heads), 7.0)  # only written
+    args = [x.to(DEVICE) for x in (q, cache, table, row_lens, prefix, out, lse)]
+    tail_merge(*args, sm_scale=scale, lse_in_base2=False, lse_in=lse_in.to(DEVICE),
+               column_blocks=column_blocks)
+    got_out, got_lse = args[5].cpu().float(), args[6].cpu()
+    good = row_lens >= prefix
+    assert bool(torch.isnan(got_out[~good]).all() and torch.isnan(got_lse[~good]).all())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got_out[good], ref_out[good], atol=tol, rtol=tol)
+    assert torch.equal(torch.isinf(got_lse[good]), torch.isinf(ref_lse[good]))
+    fin = torch.isfinite(ref_lse) & good[:, None]
+    torch.testing.assert_close(got_lse[fin], ref_lse[fin], atol=1e-3, rtol=0)
+    assert bool((got_out[row_lens == 0] == 0).all())
+    assert column_blocks_for(tokens * 2) == 4 and column_blocks_for(32 * 6) == 1
+
+
+def test_tail_merge_column_blocks_are_refused_where_they_cannot_cut():
+    """Dv cut only into 1, 2 or 4, and only with a separate prefix LSE (the
+    first column block rewrites ``lse``, which the others would read)."""
+    from vllm.v1.attention.ops.mla_tail_merge import tail_merge
+
+    q, cache = torch.zeros(2, 16, 576), torch.zeros(4, 4, 576)
+    table, lens = torch.ones(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    out, lse = torch.zeros(2, 16, 512), torch.zeros(2, 16)
+    with pytest.raises(ValueError, match="lse_in"):
+        tail_merge(q, cache, table, lens, lens, out, lse, sm_scale=1.0, column_blocks=2)
+    with pytest.raises(ValueError, match="column_blocks 3"):
+        tail_merge(q, cache, table, lens, lens, out, lse, sm_scale=1.0,
+                   lse_in=lse.view(2, 16, 1), column_blocks=3)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_path_tail_merge_without_tails(dtype):
     """A DSpark block's launch (``has_tails=False``, no tail code): rows with

@@ -40,9 +40,19 @@ try:
 except ImportError:  # pragma: no cover - the prefix+tail path needs Triton
     triton = None
 
-__all__ = ["LN2", "tail_merge"]
+__all__ = ["LN2", "column_blocks_for", "tail_merge"]
 
 LN2 = math.log(2.0)
+# Programs of (row, 16 heads) up to which a launch cuts each into 4 along Dv:
+# batch 1-4 of a q_len 4 block at 96-128 heads (24-128 programs) leave most
+# of an H100's 132 SMs idle, and each program's serial work is the latency.
+SMALL_GRID = 128
+
+
+def column_blocks_for(programs: int) -> int:
+    """Dv blocks per (row, head block) program for a launch of ``programs``:
+    4 up to ``SMALL_GRID``, else 1 (a large batch's launch as before)."""
+    return 4 if programs <= SMALL_GRID else 1
 
 if triton is not None:
 
@@ -60,9 +70,13 @@ if triton is not None:
         DV: tl.constexpr, DR: tl.constexpr,
         BLOCK_H: tl.constexpr, KEYS: tl.constexpr, PRECISION: tl.constexpr,
         HAS_SCALES: tl.constexpr, HAS_TAILS: tl.constexpr, PIECES: tl.constexpr,
+        DV_BLOCK: tl.constexpr,
     ):
-        """Program = (row t, BLOCK_H heads)."""
+        """Program = (row t, BLOCK_H heads, DV_BLOCK output columns); the
+        softmax state is the same in every column block (each computes the
+        full q.k), the first one stores the LSE."""
         t = tl.program_id(0)
+        col_block = tl.program_id(2)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = heads < num_heads
         row_len = tl.load(row_lens_ptr + t)
@@ -75,7 +89,8 @@ if triton is not None:
         is_empty = row_len_h == 0
         bad = row_len_h < prefix_h
 
-        dv = tl.arange(0, DV)
+        dv = col_block * DV_BLOCK + tl.arange(0, DV_BLOCK)  # this program's columns
+        dk = tl.arange(0, DV)  # the latent part of q.k
         dr = tl.arange(0, DR)
         out_rows = t.to(tl.int64) * num_heads + heads
         o_ptrs = out_ptr + out_rows[:, None] * DV + dv[None, :]
@@ -98,7 +113,7 @@ if triton is not None:
             # merge them first; an empty piece is skipped, whatever it holds.
             m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
             l_sum = tl.zeros((BLOCK_H,), tl.float32)
-            acc = tl.zeros((BLOCK_H, DV), tl.float32)
+            acc = tl.zeros((BLOCK_H, DV_BLOCK), tl.float32)
             for p in tl.static_range(PIECES):
                 piece = req * PIECES + p
                 piece_ok = h_ok & ((tl.zeros_like(heads) + tl.load(piece_lens_ptr + piece)) > 0)
@@ -117,7 +132,7 @@ if triton is not None:
         if HAS_TAILS:
             q_row = q_ptr + t.to(tl.int64) * q_stride_t + heads[:, None] * q_stride_h
             q_ok = (h_ok & has_tail)[:, None]
-            q_c = tl.load(q_row + dv[None, :], mask=q_ok, other=0.0).to(tl.float32)
+            q_c = tl.load(q_row + dk[None, :], mask=q_ok, other=0.0).to(tl.float32)
             q_r = tl.load(q_row + DV + dr[None, :], mask=q_ok, other=0.0).to(tl.float32)
             k_scale = 1.0
             if HAS_SCALES:
@@ -131,13 +146,20 @@ if triton is not None:
                 k_ok = keys < row_len
                 page = tl.load(bt_row + keys // page_size, mask=k_ok, other=0)
                 slot = page.to(tl.int64) * kv_stride_p + (keys % page_size) * kv_stride_s
-                k_c = tl.load(kv_ptr + slot[:, None] + dv[None, :], mask=k_ok[:, None],
+                k_c = tl.load(kv_ptr + slot[:, None] + dk[None, :], mask=k_ok[:, None],
                               other=0.0).to(tl.float32)
                 k_r = tl.load(kv_ptr + slot[:, None] + DV + dr[None, :],
                               mask=k_ok[:, None], other=0.0).to(tl.float32)
                 if HAS_SCALES:
                     k_c = k_c * k_scale
                     k_r = k_r * k_scale
+                if DV_BLOCK == DV:
+                    v = k_c
+                else:  # this program's value columns (the latent keys' slice)
+                    v = tl.load(kv_ptr + slot[:, None] + dv[None, :], mask=k_ok[:, None],
+                                other=0.0).to(tl.float32)
+                    if HAS_SCALES:
+                        v = v * k_scale
                 # bf16 values are exact in tf32, so "tf32" keeps q.k exact for
                 # bf16 inputs; fp32 inputs ask for "ieee".
                 scores = (tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
@@ -148,8 +170,7 @@ if triton is not None:
                 alpha = tl.exp(m - m_safe)  # 0 while nothing was seen yet
                 probs = tl.exp(scores - m_safe[:, None])
                 l_sum = l_sum * alpha + tl.sum(probs, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(probs, k_c,
-                                                    input_precision=PRECISION)
+                acc = acc * alpha[:, None] + tl.dot(probs, v, input_precision=PRECISION)
                 m = m_new
 
             norm = tl.where(l_sum > 0, l_sum, 1.0)
@@ -178,10 +199,11 @@ if triton is not None:
             lse = tl.where(has_prefix, m, float("-inf"))
             lse = tl.where(bad, float("nan"), lse)
             fill = tl.where(bad, float("nan"), 0.0)
-            blank = fill[:, None] + tl.zeros((BLOCK_H, DV), dtype=tl.float32)
+            blank = fill[:, None] + tl.zeros((BLOCK_H, DV_BLOCK), dtype=tl.float32)
             tl.store(o_ptrs, blank.to(out_ptr.dtype.element_ty),
                      mask=(h_ok & (is_empty | bad))[:, None])
-        tl.store(lse_ptr + out_rows, lse, mask=h_ok)
+        first_block = (tl.zeros_like(heads) + col_block) == 0
+        tl.store(lse_ptr + out_rows, lse, mask=h_ok & first_block)
 
 
 def tail_merge(
@@ -204,6 +226,7 @@ def tail_merge(
     num_warps: int | None = None,
     out_in: torch.Tensor | None = None,
     piece_lens: torch.Tensor | None = None,
+    column_blocks: int | None = None,
 ) -> None:
     """Finish prefix+tail decode of every row in place (one launch).
 
@@ -239,6 +262,11 @@ def tail_merge(
             None: ``out`` holds the prefix partial (one piece).
         piece_lens: int32 [R * N] keys of each piece (0: the piece is
             skipped, whatever its out / LSE hold); with ``out_in``.
+        column_blocks: programs each (row, head block) is cut into along
+            Dv (1, 2 or 4; each recomputes the row's scores and writes
+            Dv / column_blocks output columns; > 1 needs ``lse_in``). None:
+            ``column_blocks_for`` the launch's grid with ``lse_in`` (more,
+            smaller programs on a small batch), else 1.
     """
     num_tokens, num_heads, width = q.shape
     if num_tokens == 0:
@@ -267,7 +295,15 @@ def tail_merge(
         out_in_args = (out_in, out_in.stride(0), out_in.stride(1), out_in.stride(2),
                        piece_lens)
     block_h = 16
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    head_blocks = triton.cdiv(num_heads, block_h)
+    if column_blocks is None:  # lse read in place: one program per row's heads
+        column_blocks = 1 if lse_in is None else column_blocks_for(num_tokens * head_blocks)
+    if column_blocks not in (1, 2, 4) or dv % column_blocks:
+        raise ValueError(f"tail_merge: column_blocks {column_blocks} does not cut Dv {dv}")
+    if column_blocks > 1 and lse_in is None:
+        raise ValueError("tail_merge cuts Dv only with a separate lse_in (the first "
+                         "column block rewrites lse, which the others would read)")
+    grid = (num_tokens, head_blocks, column_blocks)
     _tail_merge_kernel[grid](
         q, q.stride(0), q.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1),
@@ -278,5 +314,7 @@ def tail_merge(
         DV=dv, DR=width - dv, BLOCK_H=block_h, KEYS=keys_per_step,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_SCALES=has_scales, HAS_TAILS=has_tails, PIECES=pieces,
-        num_warps=num_warps or (8 if has_tails else 4), num_stages=num_stages,
+        DV_BLOCK=dv // column_blocks,
+        num_warps=num_warps or (8 if has_tails and column_blocks == 1 else 4),
+        num_stages=num_stages,
     )
