@@ -100,6 +100,15 @@ def _old_finish(*args, **kwargs):
     return tail_merge(*args, **kwargs)
 
 
+def _blocks_finish(column_blocks):
+    def finish(*args, **kwargs):
+        from vllm.v1.attention.ops.mla_tail_merge import tail_merge
+
+        kwargs.update(column_blocks=column_blocks)
+        return tail_merge(*args, **kwargs)
+    return finish
+
+
 def _new_finish(*args, **kwargs):
     from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
@@ -226,8 +235,10 @@ def finish_part(args, gen):
                         point = Point(batch, local, args.q_len, heads, causal, fp8, WORLD, gen)
                         times = {"alone": time_ms(point.alone_fn(), rep=REP) * 1e3}
                         outs = {}
-                        for name, finish in (("bare", None), ("old", _old_finish),
-                                             ("new", _new_finish)):
+                        variants = [("bare", None), ("old", _old_finish),
+                                    ("new", _new_finish)]
+                        variants += [(f"cb{n}", _blocks_finish(n)) for n in args.column_blocks]
+                        for name, finish in variants:
                             fn, _ = _run_fn(point, finish)
                             times[name] = time_ms(fn, rep=REP) * 1e3
                             if finish is not None:
@@ -242,7 +253,9 @@ def finish_part(args, gen):
                               f"{roof:5.0f} " + " ".join(f"{times[k]:6.1f}" for k in
                                                          ("alone", "bare", "old", "new"))
                               + f"  {times['old'] / a:9.3f} {times['new'] / a:9.3f} "
-                                f"{times['bare'] / a:10.3f}  {same}", flush=True)
+                                f"{times['bare'] / a:10.3f}  {same}"
+                              + "".join(f"  cb{n} {times[f'cb{n}']:6.1f}"
+                                        for n in args.column_blocks), flush=True)
                         rows.append(dict(part="finish", heads=heads,
                                          kind="verify" if causal else "draft",
                                          kv="fp8" if fp8 else "bf16", batch=batch, local=local,
@@ -381,6 +394,8 @@ def main():
     ap.add_argument("--profile-batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--profile-local", type=int, nargs="+", default=[32768])
     ap.add_argument("--q-len", type=int, default=4)
+    ap.add_argument("--column-blocks", type=int, nargs="*", default=[],
+                    help="finish: also time the launch cut into these Dv blocks")
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name(0)}", flush=True)

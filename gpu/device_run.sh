@@ -48,7 +48,7 @@ for step in "${@:-tests}"; do
     k3prefill) timeout 280 python3 -m benchmarks.k3_fp8_prefill 2>&1 \
              | tee "$OUT/k3_fp8_prefill.txt" | grep -v -i warn ;;
     finish) timeout 330 python3 -m benchmarks.flashmla_latency --parts finish \
-             --batch 1 2 4 8 --out-dir "$OUT" 2>&1 | tee "$OUT/finish.txt" | grep -v -i warn ;;
+             ${FINISH_ARGS:---batch 1 2 4 8} --out-dir "$OUT" 2>&1 | tee "$OUT/finish.txt" | grep -v -i warn ;;
     step) timeout 200 python3 -m benchmarks.flashmla_rows --parts step --heads 96 \
              --step-batch 1 --out-dir "$OUT" 2>&1 | tee "$OUT/step.txt" | grep -v -i warn ;;
     *) echo "unknown step $step (tests, bench, decode, fmla, k3prefill, finish, step)"; exit 2 ;;

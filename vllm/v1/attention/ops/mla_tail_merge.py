@@ -44,9 +44,11 @@ __all__ = ["LN2", "column_blocks_for", "tail_merge"]
 
 LN2 = math.log(2.0)
 # Programs of (row, 16 heads) up to which a launch cuts each into 4 along Dv:
-# batch 1-4 of a q_len 4 block at 96-128 heads (24-128 programs) leave most
-# of an H100's 132 SMs idle, and each program's serial work is the latency.
-SMALL_GRID = 128
+# a lone q_len 4 request at 96-128 heads (24-32 programs) leaves most of an
+# H100's 132 SMs idle, and each program's serial work (a lone bf16 request's
+# 2-4 FlashMLA pieces merged) is the latency. Measured on an H100 (RESULTS,
+# run 22): 1.5-3.6 us less at batch 1 (bf16), up to 12 us more at batch 2-4.
+SMALL_GRID = 32
 
 
 def column_blocks_for(programs: int) -> int:
