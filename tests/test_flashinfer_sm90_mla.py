@@ -389,6 +389,36 @@ def test_calls_bind_to_installed_flashinfer(fake_flashinfer, monkeypatch):
 
 
 _REAL_MLA = real_fi_mla if HAVE_FLASHINFER else None
+TAIL_SCALE = 0.05
+
+
+def _tail_case(seed, dtype, row_lens, prefix, *, heads=20, page=4):
+    """Random q [T, heads, 576], cache [40, page, 576] and table [T, 12], and
+    float32 attention of each row over its prefix keys and over all of its
+    keys (``(out, lse)`` twice; sm_scale ``TAIL_SCALE``)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = row_lens.shape[0]
+    cache = torch.randn(40, page, 576, generator=gen).to(dtype)
+    table = torch.randint(1, 40, (tokens, 12), generator=gen).int()
+    q = torch.randn(tokens, heads, 576, generator=gen).to(dtype)
+    refs = [dcp.mla_decode_reference(q.float(), cache.float(), table, lens,
+                                     kv_lora_rank=512, scale=TAIL_SCALE)
+            for lens in (prefix.clamp(max=row_lens), row_lens)]
+    return q, cache, table, *refs
+
+
+def _assert_tail_merged(out, lse, ref_out, ref_lse, row_lens, prefix, dtype):
+    """``tail_merge``'s output against float32 attention over each row's keys:
+    NaN where the bound is below the prefix, 0 / -inf on empty rows."""
+    got_out, got_lse = out.cpu().float(), lse.cpu()
+    good = row_lens >= prefix
+    assert bool(torch.isnan(got_out[~good]).all() and torch.isnan(got_lse[~good]).all())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got_out[good], ref_out[good], atol=tol, rtol=tol)
+    assert torch.equal(torch.isinf(got_lse[good]), torch.isinf(ref_lse[good]))
+    fin = torch.isfinite(ref_lse) & good[:, None]
+    torch.testing.assert_close(got_lse[fin], ref_lse[fin], atol=1e-3, rtol=0)
+    assert bool((got_out[row_lens == 0] == 0).all())
 
 
 @needs_triton
@@ -401,35 +431,17 @@ def test_triton_path_tail_merge_matches_reference(dtype, keys, stages):
     each loop shape the device sweep tried."""
     from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
-    gen = torch.Generator().manual_seed(5)
-    tokens, heads, page = 9, 20, 4
-    cache = torch.randn(40, page, 576, generator=gen).to(dtype)
-    table = torch.randint(1, 40, (tokens, 12), generator=gen).int()
     row_lens = torch.tensor([5, 6, 7, 3, 0, 9, 2, 45, 4]).int()
     prefix = torch.tensor([5, 5, 5, 0, 0, 7, 2, 3, 6]).int()  # last: bad plan
-    q = torch.randn(tokens, heads, 576, generator=gen).to(dtype)
-    scale = 0.05
-    pre_out, pre_lse = dcp.mla_decode_reference(q.float(), cache.float(), table,
-                                                prefix.clamp(max=row_lens), kv_lora_rank=512,
-                                                scale=scale)
-    ref_out, ref_lse = dcp.mla_decode_reference(q.float(), cache.float(), table,
-                                                row_lens, kv_lora_rank=512,
-                                                scale=scale)
+    q, cache, table, (pre_out, pre_lse), (ref_out, ref_lse) = _tail_case(
+        5, dtype, row_lens, prefix)
     out = pre_out.to(dtype).clone()
     lse = pre_lse.clone() / math.log(2.0)
     out[prefix == 0] = float("nan")
     lse[prefix == 0] = float("nan")
     args = [x.to(DEVICE) for x in (q, cache, table, row_lens, prefix, out, lse)]
-    tail_merge(*args, sm_scale=scale, keys_per_step=keys, num_stages=stages)
-    got_out, got_lse = args[5].cpu().float(), args[6].cpu()
-    good = row_lens >= prefix
-    assert bool(torch.isnan(got_out[~good]).all() and torch.isnan(got_lse[~good]).all())
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got_out[good], ref_out[good], atol=tol, rtol=tol)
-    assert torch.equal(torch.isinf(got_lse[good]), torch.isinf(ref_lse[good]))
-    fin = torch.isfinite(ref_lse) & good[:, None]
-    torch.testing.assert_close(got_lse[fin], ref_lse[fin], atol=1e-3, rtol=0)
-    assert bool((got_out[row_lens == 0] == 0).all())
+    tail_merge(*args, sm_scale=TAIL_SCALE, keys_per_step=keys, num_stages=stages)
+    _assert_tail_merged(args[5], args[6], ref_out, ref_lse, row_lens, prefix, dtype)
 
 
 @needs_triton
@@ -444,37 +456,20 @@ def test_triton_path_tail_merge_column_blocks_flashmla_layout(dtype, column_bloc
     float32 attention over each row's keys."""
     from vllm.v1.attention.ops.mla_tail_merge import column_blocks_for, tail_merge
 
-    gen = torch.Generator().manual_seed(11)
-    reqs, s, heads, page = 3, 4, 20, 4
+    reqs, s, heads = 3, 4, 20
     tokens = reqs * s
-    cache = torch.randn(40, page, 576, generator=gen).to(dtype)
-    table = torch.randint(1, 40, (tokens, 12), generator=gen).int()
-    req_prefix = torch.tensor([9, 0, 5]).int()
-    prefix = req_prefix.repeat_interleave(s)
+    prefix = torch.tensor([9, 0, 5]).int().repeat_interleave(s)
     row_lens = torch.tensor([9, 10, 11, 12, 0, 0, 1, 2, 5, 5, 3, 40]).int()
-    q = torch.randn(tokens, heads, 576, generator=gen).to(dtype)
-    scale = 0.05
-    pre_out, pre_lse = dcp.mla_decode_reference(q.float(), cache.float(), table,
-                                                prefix.clamp(max=row_lens), kv_lora_rank=512,
-                                                scale=scale)
-    ref_out, ref_lse = dcp.mla_decode_reference(q.float(), cache.float(), table,
-                                                row_lens, kv_lora_rank=512, scale=scale)
+    q, cache, table, (pre_out, pre_lse), (ref_out, ref_lse) = _tail_case(
+        11, dtype, row_lens, prefix, heads=heads)
     out = pre_out.to(dtype)
     out[prefix == 0] = float("nan")  # what a kernel may leave without keys
     lse_in = pre_lse.view(reqs, s, heads).transpose(1, 2).contiguous()
     lse = torch.full((tokens, heads), 7.0)  # only written
     args = [x.to(DEVICE) for x in (q, cache, table, row_lens, prefix, out, lse)]
-    tail_merge(*args, sm_scale=scale, lse_in_base2=False, lse_in=lse_in.to(DEVICE),
+    tail_merge(*args, sm_scale=TAIL_SCALE, lse_in_base2=False, lse_in=lse_in.to(DEVICE),
                column_blocks=column_blocks)
-    got_out, got_lse = args[5].cpu().float(), args[6].cpu()
-    good = row_lens >= prefix
-    assert bool(torch.isnan(got_out[~good]).all() and torch.isnan(got_lse[~good]).all())
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got_out[good], ref_out[good], atol=tol, rtol=tol)
-    assert torch.equal(torch.isinf(got_lse[good]), torch.isinf(ref_lse[good]))
-    fin = torch.isfinite(ref_lse) & good[:, None]
-    torch.testing.assert_close(got_lse[fin], ref_lse[fin], atol=1e-3, rtol=0)
-    assert bool((got_out[row_lens == 0] == 0).all())
+    _assert_tail_merged(args[5], args[6], ref_out, ref_lse, row_lens, prefix, dtype)
     # A lone q_len 4 request at 96 / 128 heads is cut; two requests are not.
     assert column_blocks_for(4 * 6) == column_blocks_for(4 * 8) == 4
     assert column_blocks_for(8 * 6) == 1 and column_blocks_for(tokens * 2) == 4
