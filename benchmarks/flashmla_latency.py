@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import statistics
 
 import torch
 
@@ -233,17 +234,23 @@ def finish_part(args, gen):
                 for batch in args.batch:
                     for local in args.local:
                         point = Point(batch, local, args.q_len, heads, causal, fp8, WORLD, gen)
-                        times = {"alone": time_ms(point.alone_fn(), rep=REP) * 1e3}
                         outs = {}
                         variants = [("bare", None), ("old", _old_finish),
                                     ("new", _new_finish)]
                         variants += [(f"cb{n}", _blocks_finish(n)) for n in args.column_blocks]
+                        fns = {"alone": point.alone_fn()}
                         for name, finish in variants:
-                            fn, _ = _run_fn(point, finish)
-                            times[name] = time_ms(fn, rep=REP) * 1e3
+                            fns[name], _ = _run_fn(point, finish)
                             if finish is not None:
-                                out, lse = fn()
+                                out, lse = fns[name]()
                                 outs[name] = (out.clone(), lse.clone())
+                        # Each path timed --repeats times, the paths interleaved: the
+                        # median of the repeats (one timing drifts by a few %).
+                        samples = {name: [] for name in fns}
+                        for _ in range(args.repeats):
+                            for name, fn in fns.items():
+                                samples[name].append(time_ms(fn, rep=REP) * 1e3)
+                        times = {name: statistics.median(v) for name, v in samples.items()}
                         same = (torch.equal(outs["old"][0], outs["new"][0])
                                 and torch.equal(outs["old"][1], outs["new"][1]))
                         roof = roofline_us(batch, local, args.q_len, heads)
@@ -394,6 +401,8 @@ def main():
     ap.add_argument("--profile-batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--profile-local", type=int, nargs="+", default=[32768])
     ap.add_argument("--q-len", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="finish: timings per path, interleaved; the median is kept")
     ap.add_argument("--column-blocks", type=int, nargs="*", default=[],
                     help="finish: also time the launch cut into these Dv blocks")
     ap.add_argument("--out-dir", default=".")
