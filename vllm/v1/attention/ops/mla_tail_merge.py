@@ -47,7 +47,8 @@ LN2 = math.log(2.0)
 # a lone q_len 4 request at 96-128 heads (24-32 programs) leaves most of an
 # H100's 132 SMs idle, and each program's serial work (a lone bf16 request's
 # 2-4 FlashMLA pieces merged) is the latency. Measured on an H100 (RESULTS,
-# run 22): 1.5-3.6 us less at batch 1 (bf16), up to 12 us more at batch 2-4.
+# run 22): 0.2-4.7 us less at batch 1 in bf16, fp8 unchanged within noise;
+# up to 12 us more at batch 2-4, which keep one program.
 SMALL_GRID = 32
 
 
