@@ -149,4 +149,6 @@ def gather_and_maybe_dequant_cache(
             f"gather_and_maybe_dequant_cache: no CPU gather for KV-cache dtype "
             f"{kv_cache_dtype!r} (known: 'auto', {', '.join(map(repr, _FP8_TYPES))})")
     entries = _paged_entries(src_cache.view(fp8_type), block_table, seq, position)
-    dst[:num_tokens] = (entries.float() * scale.float()).to(dst.dtype)
+    # In float32 as vLLM's kernel (float64 for a float64 workspace).
+    compute = torch.promote_types(dst.dtype, torch.float32)
+    dst[:num_tokens] = (entries.to(compute) * scale.to(compute)).to(dst.dtype)
