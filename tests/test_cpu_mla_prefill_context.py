@@ -15,10 +15,10 @@ same gather call over that rank's cache, in rank order. The output must
 equal float64 causal attention over context + new tokens, and the context
 vLLM reassembles must equal the context exactly.
 
-fp8: vLLM's CPU_MLA takes only ``--kv-cache-dtype auto`` (its selector
-refuses fp8, ``test_cpu_mla_refuses_fp8_kv_cache`` records the message);
+fp8: vLLM's CPU_MLA declares only ``--kv-cache-dtype auto``
+(``supported_kv_cache_dtypes``; vLLM's CPU selector does not enforce it);
 the dequantizing gather, which vLLM's DCP context path calls for an fp8
-cache, is still checked here with a scale of 0.05 under DCP.
+cache, is still checked here with a float32 scale of 0.05 under DCP.
 """
 
 from __future__ import annotations
@@ -310,8 +310,9 @@ def test_cp_gather_cache_and_dequant_gather_alone():
             "fp8_ds_mla", torch.tensor([FP8_SCALE]), starts)
 
 
-def test_cpu_mla_refuses_fp8_kv_cache():
-    """vLLM's CPU MLA backend takes only the model dtype's KV cache."""
+def test_cpu_mla_declares_only_model_dtype_kv_cache():
+    """vLLM's CPU MLA backend declares only the model dtype's KV cache (its
+    CPU selector does not check it: an fp8 cache is not refused at start)."""
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
     assert CPUMLABackend.supported_kv_cache_dtypes == ["auto"]

@@ -7,7 +7,7 @@ from the last line of stdout::
 
     python tests/support/greedy_run.py --model DIR --prompts-json FILE \
         --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR] \
-        [--max-num-batched-tokens N] [--second-wave-json FILE]
+        [--max-num-batched-tokens N] [--second-wave-json FILE] [--features-off]
 
 ``--draft`` speculates with a DSpark draft checkpoint; that needs Model
 Runner V2, which on CPU needs ``VLLM_DCP_CPU_MRV2=1`` in the environment
@@ -82,6 +82,9 @@ def main() -> None:
                         "a small one cuts verify blocks and chunks prefills")
     parser.add_argument("--second-wave-json",
                         help="JSON list of token-id lists, generated after the first")
+    parser.add_argument("--features-off", action="store_true",
+                        help="prefix caching and chunked prefill off (as "
+                        "vLLM's CPU platform runs MLA without this project)")
     args = parser.parse_args()
     if args.draft and os.environ.get("VLLM_DCP_CPU_MRV2", "0") in ("", "0"):
         parser.error("--draft (DSpark) needs VLLM_DCP_CPU_MRV2=1 on CPU")
@@ -126,6 +129,8 @@ def main() -> None:
         disable_log_stats=not counting,
         **({"max_num_batched_tokens": args.max_num_batched_tokens}
            if args.max_num_batched_tokens else {}),
+        **({"enable_prefix_caching": False, "enable_chunked_prefill": False}
+           if args.features_off else {}),
         **kwargs,
     )
     loaded = time.perf_counter()
