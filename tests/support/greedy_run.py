@@ -7,14 +7,20 @@ from the last line of stdout::
 
     python tests/support/greedy_run.py --model DIR --prompts-json FILE \
         --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR] \
-        [--max-num-batched-tokens N]
+        [--max-num-batched-tokens N] [--second-wave-json FILE] [--features-off]
 
 ``--draft`` speculates with a DSpark draft checkpoint; that needs Model
 Runner V2, which on CPU needs ``VLLM_DCP_CPU_MRV2=1`` in the environment
 this process starts with (the switch acts at interpreter start).
 
+``--second-wave-json`` generates a second list of prompts after the first
+(with prefix caching on, prompts sharing a prefix with the first wave hit the
+cache); their tokens follow the first wave's.
+
 Output: ``{"tokens": [[...] per prompt], "load_s": ..., "generate_s": ...,
-"spec": {...}}``.
+"spec": {...}, "features": {...}, "prefix_cache": {...}}``: ``features``
+is what the engine runs with (chunked prefill, prefix caching, the token
+budget), ``prefix_cache`` vLLM's prefix-cache query and hit counters (tokens).
 """
 
 from __future__ import annotations
@@ -74,6 +80,11 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="the step's token budget (vLLM's default if unset); "
                         "a small one cuts verify blocks and chunks prefills")
+    parser.add_argument("--second-wave-json",
+                        help="JSON list of token-id lists, generated after the first")
+    parser.add_argument("--features-off", action="store_true",
+                        help="prefix caching and chunked prefill off (as "
+                        "vLLM's CPU platform runs MLA without this project)")
     args = parser.parse_args()
     if args.draft and os.environ.get("VLLM_DCP_CPU_MRV2", "0") in ("", "0"):
         parser.error("--draft (DSpark) needs VLLM_DCP_CPU_MRV2=1 on CPU")
@@ -82,6 +93,9 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     prompts = json.loads(open(args.prompts_json).read())
+    waves = [prompts]
+    if args.second_wave_json:
+        waves.append(json.loads(open(args.second_wave_json).read()))
     kwargs = {}
     if args.ngram:
         kwargs["speculative_config"] = {
@@ -95,6 +109,7 @@ def main() -> None:
         kwargs["speculative_config"] = {"method": "dspark", "model": args.draft,
                                         "attention_backend": "CPU_MLA"}
     speculating = bool(args.ngram or args.draft)
+    counting = speculating or bool(args.second_wave_json)
     start = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -111,16 +126,18 @@ def main() -> None:
         max_model_len=512,
         max_num_seqs=args.max_num_seqs,
         seed=0,
-        disable_log_stats=not speculating,
+        disable_log_stats=not counting,
         **({"max_num_batched_tokens": args.max_num_batched_tokens}
            if args.max_num_batched_tokens else {}),
+        **({"enable_prefix_caching": False, "enable_chunked_prefill": False}
+           if args.features_off else {}),
         **kwargs,
     )
     loaded = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                             ignore_eos=True, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                           params, use_tqdm=False)
+    outputs = [output for wave in waves for output in llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in wave], params, use_tqdm=False)]
     done = time.perf_counter()
     spec = {}
     if speculating:
@@ -129,11 +146,23 @@ def main() -> None:
                     for m in llm.get_metrics() if "spec_decode" in m.name}
         except Exception as exc:  # metrics are informative only
             spec = {"error": repr(exc)}
+    config = llm.llm_engine.vllm_config
+    prefix_cache = {}
+    if counting:
+        prefix_cache = {m.name: m.value for m in llm.get_metrics()
+                        if m.name in ("vllm:prefix_cache_queries",
+                                      "vllm:prefix_cache_hits")}
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "load_s": round(loaded - start, 1),
         "generate_s": round(done - loaded, 1),
         "spec": spec,
+        "features": {
+            "enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+            "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        },
+        "prefix_cache": prefix_cache,
     }
     print(json.dumps(result), flush=True)
 
