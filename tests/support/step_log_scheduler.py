@@ -16,9 +16,10 @@ request, the prefix-cache hit); ``scheduled``: tokens scheduled now
 (vLLM's ``num_scheduled_tokens``); ``drafts``: speculative tokens the
 request held when the step was scheduled; ``spec``: how many of them the
 step verifies (``scheduled_spec_decode_tokens``; fewer than ``drafts`` when
-the token budget cut the block). ``step_events`` reads the file back and
-names what happened (chunks, chunks beside verify blocks, cut blocks,
-prefix hits, preemptions).
+the token budget cut the block). Requests finished from outside the
+scheduler (a client's abort) add ``{"aborted": {"<id>": <tokens generated>}}``.
+``step_events`` reads the file back and names what happened (chunks,
+chunks beside verify blocks, cut blocks, prefix hits, preemptions, aborts).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 from pathlib import Path
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 STEP_LOG_ENV = "STEP_LOG_PATH"
 QUALNAME = "tests.support.step_log_scheduler.StepLogScheduler"
@@ -63,9 +65,16 @@ class StepLogScheduler(Scheduler):
         self._step_log.write(json.dumps(record) + "\n")
         return output
 
+    def finish_requests(self, request_ids, finished_status):
+        finished = super().finish_requests(request_ids, finished_status)
+        if finished and finished_status == RequestStatus.FINISHED_ABORTED:
+            aborted = {req.request_id: req.num_output_tokens for req in finished}
+            self._step_log.write(json.dumps({"aborted": aborted}) + "\n")
+        return finished
+
 
 def read_steps(path: Path) -> list[dict]:
-    """The log's step records, in order."""
+    """The log's records (steps and aborts), in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
 
 
@@ -76,12 +85,17 @@ def step_events(steps: list[dict]) -> dict[str, int]:
     ``chunks_beside_verify``: steps holding such a piece and a verify block;
     ``cut_blocks``: verify blocks scheduled with fewer drafts than the
     request held; ``prefix_hits``: requests first scheduled with cached
-    tokens; ``preemptions``: requests preempted (recompute)."""
+    tokens; ``preemptions``: requests preempted (recompute); ``aborted``:
+    requests aborted from outside (a client gone) after generating at least
+    one token."""
     events = dict.fromkeys(("steps", "chunks", "chunks_beside_verify",
                             "verify_blocks", "cut_blocks", "prefix_hits",
-                            "prefix_hit_tokens", "preemptions"), 0)
+                            "prefix_hit_tokens", "preemptions", "aborted"), 0)
     seen: set[str] = set()
     for step in steps:
+        if "aborted" in step:
+            events["aborted"] += sum(n > 0 for n in step["aborted"].values())
+            continue
         events["steps"] += 1
         events["preemptions"] += len(step["preempted"])
         chunk = verify = False
