@@ -115,3 +115,24 @@ def step_events(steps: list[dict]) -> dict[str, int]:
                     events["prefix_hit_tokens"] += req["computed"]
         events["chunks_beside_verify"] += chunk and verify
     return events
+
+
+def verify_outcomes(steps: list[dict]) -> dict[int, list[tuple[int, int]]]:
+    """Per request (by its index in submission order, the number before the
+    ``-`` of an offline ``LLM`` request id), each verify step's (drafts
+    verified, drafts accepted), in order, from a run without preemption:
+    after a verify of ``s`` drafts the request's computed tokens grow by
+    1 + accepted (vLLM rolls rejected drafts back). A request's last verify
+    (no later step) is left out."""
+    outcomes: dict[int, list[tuple[int, int]]] = {}
+    last: dict[int, dict] = {}
+    for step in steps:
+        for req in step.get("reqs", ()):
+            index = int(req["id"].split("-")[0])
+            before = last.get(index)
+            if before is not None and before["spec"]:
+                accepted = req["computed"] - before["computed"] - before["scheduled"] \
+                    + before["spec"]
+                outcomes.setdefault(index, []).append((before["spec"], accepted))
+            last[index] = req
+    return outcomes
