@@ -287,11 +287,11 @@ def test_ngram_dcp2_serving_features_equal_plain_tp2(workdir, plain_tp2):
 # --- vllm serve over HTTP: preemption, aborts, idle KV usage, re-sent prompts ---
 
 # KV blocks of the served engine (vLLM's --num-gpu-blocks-override, blocks
-# of 16 tokens x DCP 2): twice one request of --max-model-len, too few for
+# of 16 tokens x DCP 2): 1.75 requests of --max-model-len, too few for
 # the first wave's six running requests at their longest, so running
 # requests are preempted and recomputed.
 SERVE_MAX_MODEL_LEN = 256
-SERVE_KV_BLOCKS = 16
+SERVE_KV_BLOCKS = 14
 # Second-wave prompts also sent as streams the client drops after a few
 # chunks, long before their ABORTED_MAX_TOKENS.
 ABORTED = (0, 1)
