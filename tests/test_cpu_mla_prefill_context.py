@@ -15,10 +15,10 @@ same gather call over that rank's cache, in rank order. The output must
 equal float64 causal attention over context + new tokens, and the context
 vLLM reassembles must equal the context exactly.
 
-fp8: vLLM's CPU_MLA takes only ``--kv-cache-dtype auto`` (its selector
-refuses fp8, ``test_cpu_mla_refuses_fp8_kv_cache`` records the message);
+fp8: vLLM's CPU_MLA declares only ``--kv-cache-dtype auto``
+(``supported_kv_cache_dtypes``; vLLM's CPU selector does not enforce it);
 the dequantizing gather, which vLLM's DCP context path calls for an fp8
-cache, is still checked here with a scale of 0.05 under DCP.
+cache, is still checked here with a float32 scale of 0.05 under DCP.
 """
 
 from __future__ import annotations
@@ -310,9 +310,57 @@ def test_cp_gather_cache_and_dequant_gather_alone():
             "fp8_ds_mla", torch.tensor([FP8_SCALE]), starts)
 
 
-def test_cpu_mla_refuses_fp8_kv_cache():
-    """vLLM's CPU MLA backend takes only the model dtype's KV cache."""
+def test_cpu_mla_declares_only_model_dtype_kv_cache():
+    """vLLM's CPU MLA backend declares only the model dtype's KV cache (its
+    CPU selector does not check it: an fp8 cache is not refused at start)."""
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
     assert CPUMLABackend.supported_kv_cache_dtypes == ["auto"]
     assert not CPUMLABackend.supports_kv_cache_dtype("fp8")
+
+
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory):
+    from tests.support.tiny_mla import build_tiny_mla_checkpoint
+
+    return build_tiny_mla_checkpoint(tmp_path_factory.mktemp("tiny-mla"))
+
+
+def cpu_config(model, **overrides):
+    """vLLM's config for the tiny MLA model on CPU, built as ``vllm serve``
+    builds it (the plugin loaded, the CPU platform's hook run)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=str(model), dtype="float32", attention_backend="CPU_MLA",
+                max_model_len=512, max_num_batched_tokens=32)
+    return EngineArgs(**{**args, **overrides}).create_engine_config()
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_cpu_mla_keeps_prefix_caching_and_chunked_prefill(tiny_mla, dcp):
+    config = cpu_config(tiny_mla, tensor_parallel_size=dcp,
+                        decode_context_parallel_size=dcp)
+    assert config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.max_num_batched_tokens == 32
+
+
+def test_flags_still_turn_them_off(tiny_mla):
+    config = cpu_config(tiny_mla, enable_prefix_caching=False)
+    assert not config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.enable_chunked_prefill
+    config = cpu_config(tiny_mla, enable_chunked_prefill=False,
+                        max_num_batched_tokens=None)
+    assert config.cache_config.enable_prefix_caching
+    assert not config.scheduler_config.enable_chunked_prefill
+
+
+def test_without_the_gathers_vllm_turns_them_off(tiny_mla, monkeypatch):
+    """Where the context gathers are missing, the CPU platform's own
+    choice stands."""
+    monkeypatch.setattr(cpu_mla_prefill_context, "context_gathers_present",
+                        lambda: False)
+    config = cpu_config(tiny_mla, max_num_batched_tokens=None)
+    assert not config.cache_config.enable_prefix_caching
+    assert not config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.max_num_batched_tokens >= 512

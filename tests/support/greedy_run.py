@@ -8,7 +8,7 @@ from the last line of stdout::
     python tests/support/greedy_run.py --model DIR --prompts-json FILE \
         --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR] \
         [--max-num-batched-tokens N] [--second-wave-json FILE] \
-        [--prefix-caching] [--chunked-prefill] [--num-gpu-blocks N] [--step-log FILE]
+        [--features-off | --prefix-caching --chunked-prefill] [--step-log FILE]
 
 ``--draft`` speculates with a DSpark draft checkpoint; that needs Model
 Runner V2, which on CPU needs ``VLLM_DCP_CPU_MRV2=1`` in the environment
@@ -95,13 +95,13 @@ def main() -> None:
                         "a small one cuts verify blocks and chunks prefills")
     parser.add_argument("--second-wave-json",
                         help="JSON list of token-id lists, generated after the first")
+    parser.add_argument("--features-off", action="store_true",
+                        help="prefix caching and chunked prefill off (as "
+                        "vLLM's CPU platform runs MLA without this project)")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="--enable-prefix-caching; an error if vLLM turns it off")
     parser.add_argument("--chunked-prefill", action="store_true",
                         help="--enable-chunked-prefill; an error if vLLM turns it off")
-    parser.add_argument("--num-gpu-blocks", type=int,
-                        help="KV blocks (num_gpu_blocks_override): a small "
-                        "cache preempts")
     parser.add_argument("--step-log", help="log each step's schedule here")
     args = parser.parse_args()
     if args.draft and os.environ.get("VLLM_DCP_CPU_MRV2", "0") in ("", "0"):
@@ -119,8 +119,6 @@ def main() -> None:
         kwargs["enable_prefix_caching"] = True
     if args.chunked_prefill:
         kwargs["enable_chunked_prefill"] = True
-    if args.num_gpu_blocks:
-        kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks
     if args.step_log:
         from tests.support.step_log_scheduler import QUALNAME, STEP_LOG_ENV
 
@@ -158,6 +156,8 @@ def main() -> None:
         disable_log_stats=not counting,
         **({"max_num_batched_tokens": args.max_num_batched_tokens}
            if args.max_num_batched_tokens else {}),
+        **({"enable_prefix_caching": False, "enable_chunked_prefill": False}
+           if args.features_off else {}),
         **kwargs,
     )
     loaded = time.perf_counter()
