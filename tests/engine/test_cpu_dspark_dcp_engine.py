@@ -26,7 +26,7 @@ drafts, so steps mix query lengths.
 Cut verify blocks and prefills beside verify blocks (chunked, with prefix
 hits) are ``test_cpu_serving_features_engine.py``'s.
 
-About 7 minutes on 2 cores. Run: ``pytest -m engine tests/engine``.
+About 5 minutes on 2 cores. Run: ``pytest -m engine tests/engine``.
 """
 
 from __future__ import annotations

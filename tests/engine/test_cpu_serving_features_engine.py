@@ -33,6 +33,10 @@ project's launcher, ``tools/serve_dcp_dspark.py``), over HTTP on 127.0.0.1
 preempt (recompute) and clients that abort streams mid-way: tokens equal
 stock ``-tp 2``'s, the server stays healthy, its KV usage returns to zero
 when idle, and the first wave sent again gives the same tokens.
+
+Five engines (stock ``-tp 2``, three offline runs, one server): about 9
+minutes on 2 cores shared with other jobs (load 5). Run:
+``pytest -m engine tests/engine/test_cpu_serving_features_engine.py``.
 """
 
 from __future__ import annotations
