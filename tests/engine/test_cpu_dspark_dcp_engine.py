@@ -23,7 +23,10 @@ tokens) and interleave spans (2 and 32 tokens); 6 prompts with
 ``max_num_seqs`` 4 make later prompts prefill while earlier ones verify
 drafts, so steps mix query lengths.
 
-About 10 minutes on 2 cores. Run: ``pytest -m engine tests/engine``.
+Cut verify blocks and prefills beside verify blocks (chunked, with prefix
+hits) are ``test_cpu_serving_features_engine.py``'s.
+
+About 5 minutes on 2 cores. Run: ``pytest -m engine tests/engine``.
 """
 
 from __future__ import annotations
@@ -63,35 +66,17 @@ def make_prompts() -> list[list[int]]:
 
 
 PROMPTS = make_prompts()
-# A step budget that cuts verify blocks. Every scheduled request also takes
-# k - 1 = 3 draft slots of the budget (DSpark); vLLM admits a waiting prompt
-# only where the budget left holds it whole (its CPU platform turns chunked
-# prefill off for MLA). Prompts of 2-4 tokens let six requests in on the
-# first step (5-7 budget tokens each); verifying next (1 + k = 5 tokens and
-# 3 slots each), they need 48 of the 38: four verify whole, the fifth's block
-# is cut to 3 tokens. With 10 prompts and max_num_seqs 8 the last ones arrive
-# mid-run and prefill in steps where the running requests verify.
-BUDGET = 38
-BUDGET_MAX_NUM_SEQS = 8
-BUDGET_PROMPTS = [
-    torch.randint(4, 256, (n,), generator=torch.Generator().manual_seed(13 + n)).tolist()
-    for n in (2, 3, 4, 2, 3, 4, 3, 2, 4, 3)]
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dspark-cpu")
     build_tiny_mla_checkpoint(root / "target")
     (root / "prompts.json").write_text(json.dumps(PROMPTS))
-    (root / "budget_prompts.json").write_text(json.dumps(BUDGET_PROMPTS))
     return root
 
 
-def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None,
-             budget=None, prompts="prompts.json", max_num_seqs=MAX_NUM_SEQS) -> dict:
-    """One engine run (cached per configuration); its JSON result.
-    ``budget``: ``--max-num-batched-tokens``."""
-    key = (tp, dcp, interleave, str(draft), budget, prompts, max_num_seqs)
+def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None) -> dict:
+    """One engine run (cached per configuration); its JSON result."""
+    key = (tp, dcp, interleave, str(draft))
     if key in _RUNS:
         return _RUNS[key]
     from tests.support.greedy_run import cpu_engine_env
@@ -101,11 +86,9 @@ def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None,
     env.pop("VLLM_DCP_CPU_MRV2", None)
     cmd = [sys.executable, str(HERE.parent / "support" / "greedy_run.py"),
            "--model", str(workdir / "target"),
-           "--prompts-json", str(workdir / prompts),
+           "--prompts-json", str(workdir / "prompts.json"),
            "--tp", str(tp), "--dcp", str(dcp), "--interleave", str(interleave),
-           "--max-tokens", str(MAX_TOKENS), "--max-num-seqs", str(max_num_seqs)]
-    if budget is not None:
-        cmd += ["--max-num-batched-tokens", str(budget)]
+           "--max-tokens", str(MAX_TOKENS), "--max-num-seqs", str(MAX_NUM_SEQS)]
     if draft is not None:
         cmd += ["--draft", str(draft)]
         env["VLLM_DCP_CPU_MRV2"] = "1"
@@ -120,8 +103,7 @@ def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None,
     result["wall_s"] = round(time.perf_counter() - start, 1)
     result["log"] = proc.stdout + proc.stderr
     spec = result["spec"]
-    print(f"\nengine tp={tp} dcp={dcp} I={interleave} draft={draft is not None} "
-          f"budget={budget} prompts={prompts}: "
+    print(f"\nengine tp={tp} dcp={dcp} I={interleave} draft={draft is not None}: "
           f"wall {result['wall_s']} s (load {result['load_s']} s, generate "
           f"{result['generate_s']} s), spec {spec}")
     _RUNS[key] = result
@@ -211,27 +193,3 @@ def test_dspark_acceptance_equal_at_dcp1_and_dcp2(workdir, markov_draft,
     assert drafts > 0 and drafted > drafts
     assert accepted >= MIN_ACCEPTANCE * drafted, tp1
     assert dcp2 == tp1
-
-
-def test_cut_verify_blocks_and_mid_run_prefills_equal_plain_tp2(workdir):
-    """A token budget that cuts verify blocks short, and prompts arriving
-    mid-run whose prefills share it with verifying requests: ``-tp 2 -dcp 2``
-    + DSpark gives the tokens of stock ``-tp 2`` with the same budget. The
-    drafted-token count shows the cuts (fewer than the block of 4 per
-    draft); the draft's Markov head follows these prompts' own greedy
-    output, so accepted drafts exercise the verify rows past the first."""
-    config = dict(tp=2, budget=BUDGET, prompts="budget_prompts.json",
-                  max_num_seqs=BUDGET_MAX_NUM_SEQS)
-    plain = generate(workdir, **config)
-    successors = bigram_successors(
-        [p[-1:] + t for p, t in zip(BUDGET_PROMPTS, plain["tokens"])])
-    draft = build_tiny_dspark_checkpoint(workdir / "budget_draft", workdir / "target",
-                                         markov_successors=successors)
-    run = generate(workdir, dcp=2, draft=draft, **config)
-    assert_same_tokens(run["tokens"], plain["tokens"],
-                       f"-tp 2 -dcp 2 + DSpark, budget {BUDGET}", BUDGET_PROMPTS)
-    drafts, drafted, accepted = acceptance(run)
-    print(f"\nbudget {BUDGET}: {drafts} drafts, {drafted} drafted tokens, "
-          f"{accepted} accepted")
-    assert drafts > 0 and drafted < 4 * drafts, "no verify block was cut"
-    assert accepted >= MIN_ACCEPTANCE * drafted

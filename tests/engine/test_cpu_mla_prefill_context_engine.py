@@ -83,7 +83,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
         results[name] = json.loads(lines[-1])
         print(f"\nengine {name}: wall {time.perf_counter() - start:.1f} s, "
-              f"{results[name]['features']}, {results[name]['prefix_cache']}")
+              f"{results[name]['features']}, {results[name]['counters']}")
     return results
 
 
@@ -104,7 +104,7 @@ def test_dcp2_chunks_and_hits_the_prefix_cache(runs):
                                "max_num_batched_tokens": BUDGET}
     assert max(map(len, FIRST + SECOND)) > BUDGET
     # The second wave's shared prefixes: whole blocks of 16 x 2 ranks.
-    assert dcp["prefix_cache"]["vllm:prefix_cache_hits"] >= 64
+    assert dcp["counters"]["vllm:prefix_cache_hits"] >= 64
 
 
 def test_dcp2_with_features_equals_stock_tp2(runs):

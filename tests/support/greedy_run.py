@@ -7,7 +7,8 @@ from the last line of stdout::
 
     python tests/support/greedy_run.py --model DIR --prompts-json FILE \
         --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR] \
-        [--max-num-batched-tokens N] [--second-wave-json FILE] [--features-off]
+        [--max-num-batched-tokens N] [--second-wave-json FILE] \
+        [--features-off | --prefix-caching --chunked-prefill] [--step-log FILE]
 
 ``--draft`` speculates with a DSpark draft checkpoint; that needs Model
 Runner V2, which on CPU needs ``VLLM_DCP_CPU_MRV2=1`` in the environment
@@ -15,12 +16,19 @@ this process starts with (the switch acts at interpreter start).
 
 ``--second-wave-json`` generates a second list of prompts after the first
 (with prefix caching on, prompts sharing a prefix with the first wave hit the
-cache); their tokens follow the first wave's.
+cache); their tokens follow the first wave's. ``--prefix-caching`` and
+``--chunked-prefill`` ask vLLM for them; where vLLM turns one off the run
+stops before generating, naming it (a prompt longer than the token budget
+would otherwise wait forever). ``--step-log`` writes what vLLM's scheduler
+scheduled each step (``tests/support/step_log_scheduler.py``; the
+repository root must be on ``PYTHONPATH``).
 
 Output: ``{"tokens": [[...] per prompt], "load_s": ..., "generate_s": ...,
-"spec": {...}, "features": {...}, "prefix_cache": {...}}``: ``features``
-is what the engine runs with (chunked prefill, prefix caching, the token
-budget), ``prefix_cache`` vLLM's prefix-cache query and hit counters (tokens).
+"spec": {...}, "features": {...}, "num_cached_tokens": [...], "counters": {...}}``:
+``features`` is what the engine runs with (chunked prefill, prefix caching,
+the token budget), ``num_cached_tokens`` each request's prefix-cache hit,
+``counters`` vLLM's prefix-cache, preemption and spec-decode counters (when
+stats are on: speculating, a second wave or prefix caching asked for).
 """
 
 from __future__ import annotations
@@ -31,6 +39,11 @@ import os
 import signal
 import subprocess
 import time
+
+
+# vLLM's counters an engine test reads (LLM.get_metrics()).
+COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+            "vllm:num_preemptions", "vllm:prompt_tokens_cached")
 
 
 def cpu_engine_env(tp: int) -> dict[str, str]:
@@ -85,6 +98,11 @@ def main() -> None:
     parser.add_argument("--features-off", action="store_true",
                         help="prefix caching and chunked prefill off (as "
                         "vLLM's CPU platform runs MLA without this project)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="--enable-prefix-caching; an error if vLLM turns it off")
+    parser.add_argument("--chunked-prefill", action="store_true",
+                        help="--enable-chunked-prefill; an error if vLLM turns it off")
+    parser.add_argument("--step-log", help="log each step's schedule here")
     args = parser.parse_args()
     if args.draft and os.environ.get("VLLM_DCP_CPU_MRV2", "0") in ("", "0"):
         parser.error("--draft (DSpark) needs VLLM_DCP_CPU_MRV2=1 on CPU")
@@ -97,6 +115,15 @@ def main() -> None:
     if args.second_wave_json:
         waves.append(json.loads(open(args.second_wave_json).read()))
     kwargs = {}
+    if args.prefix_caching:
+        kwargs["enable_prefix_caching"] = True
+    if args.chunked_prefill:
+        kwargs["enable_chunked_prefill"] = True
+    if args.step_log:
+        from tests.support.step_log_scheduler import QUALNAME, STEP_LOG_ENV
+
+        os.environ[STEP_LOG_ENV] = args.step_log
+        kwargs["scheduler_cls"] = QUALNAME
     if args.ngram:
         kwargs["speculative_config"] = {
             "method": "ngram",
@@ -109,7 +136,7 @@ def main() -> None:
         kwargs["speculative_config"] = {"method": "dspark", "model": args.draft,
                                         "attention_backend": "CPU_MLA"}
     speculating = bool(args.ngram or args.draft)
-    counting = speculating or bool(args.second_wave_json)
+    counting = speculating or bool(args.second_wave_json) or args.prefix_caching
     start = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -134,35 +161,37 @@ def main() -> None:
         **kwargs,
     )
     loaded = time.perf_counter()
+    config = llm.llm_engine.vllm_config
+    features = {
+        "enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+        "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+    }
+    turned_off = [flag for flag, asked, key in (
+        ("--enable-chunked-prefill", args.chunked_prefill, "enable_chunked_prefill"),
+        ("--enable-prefix-caching", args.prefix_caching, "enable_prefix_caching"))
+        if asked and not features[key]]
+    if turned_off:
+        raise SystemExit(f"vLLM turned {' and '.join(turned_off)} off: {features}")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                             ignore_eos=True, detokenize=False)
     outputs = [output for wave in waves for output in llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in wave], params, use_tqdm=False)]
     done = time.perf_counter()
-    spec = {}
-    if speculating:
-        try:
-            spec = {m.name: (m.value if hasattr(m, "value") else getattr(m, "values", None))
-                    for m in llm.get_metrics() if "spec_decode" in m.name}
-        except Exception as exc:  # metrics are informative only
-            spec = {"error": repr(exc)}
-    config = llm.llm_engine.vllm_config
-    prefix_cache = {}
+    metrics = {}
     if counting:
-        prefix_cache = {m.name: m.value for m in llm.get_metrics()
-                        if m.name in ("vllm:prefix_cache_queries",
-                                      "vllm:prefix_cache_hits")}
+        metrics = {m.name: (m.value if hasattr(m, "value") else getattr(m, "values", None))
+                   for m in llm.get_metrics()}
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "load_s": round(loaded - start, 1),
         "generate_s": round(done - loaded, 1),
-        "spec": spec,
-        "features": {
-            "enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
-            "enable_prefix_caching": config.cache_config.enable_prefix_caching,
-            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
-        },
-        "prefix_cache": prefix_cache,
+        "spec": {name: value for name, value in metrics.items()
+                 if "spec_decode" in name and speculating},
+        "features": features,
+        "num_cached_tokens": [o.num_cached_tokens for o in outputs],
+        "counters": {name: value for name, value in metrics.items()
+                     if name in COUNTERS},
     }
     print(json.dumps(result), flush=True)
 
