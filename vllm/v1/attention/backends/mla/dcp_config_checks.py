@@ -203,7 +203,7 @@ def problems(limits: DCPLimits, s: DCPSetting) -> list[str]:
         found.append(f"{name} runs on {gpus} GPUs only under DCP, not compute "
                      f"capability {s.gpu_major}.x: name "
                      f"{_alternatives(s, name)} in {flag}.")
-    elif not limits.reads(s.kv_cache_dtype, s.gpu_major):
+    if not limits.reads(s.kv_cache_dtype, s.gpu_major):
         where = (f" on sm{s.gpu_major}0" if s.gpu_major in limits.unquantized_on
                  else "")
         fix = "auto" if limits.reads("auto", s.gpu_major) else "fp8"

@@ -47,7 +47,7 @@ logger = init_logger(__name__)
 
 _MARK = "_dcp_dspark_startup_checks"
 _CPU_VLLM = "vLLM on this CPU"
-_VLLM = "vLLM's choice"
+_VLLM = "vLLM"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +61,9 @@ class _Model:
     passed_block_size: int | None
 
 
-def _models(vllm_config) -> list[_Model]:
+def _models(vllm_config, block_size: int | None) -> list[_Model]:
+    """Each model's MLA layers, ``block_size`` passed as --block-size."""
     cache, spec = vllm_config.cache_config, vllm_config.speculative_config
-    given = cache.block_size if cache.user_specified_block_size else None
     if getattr(vllm_config.attention_config, "use_non_causal", False):
         # A non-causal drafter's own config, which vLLM's DSpark loader
         # rebuilds in each worker (this hook runs on it again): its backend
@@ -71,14 +71,14 @@ def _models(vllm_config) -> list[_Model]:
         return [_Model(True, _name(vllm_config.attention_config.backend),
                        checks.DRAFT_FLAG, cache.block_size)]
     models = [_Model(False, _name(vllm_config.attention_config.backend),
-                     checks.TARGET_FLAG, given)]
+                     checks.TARGET_FLAG, block_size)]
     if spec is not None and (spec.method == "dspark"
                              or spec.attention_backend is not None):
         # vLLM's DSpark loader rebuilds the draft's cache config with its own
         # kv_cache_dtype, passing the provisional block size as if given.
         own_dtype = getattr(spec, "kv_cache_dtype", None) is not None
         models.append(_Model(True, _name(spec.attention_backend), checks.DRAFT_FLAG,
-                             cache.block_size if own_dtype else given))
+                             block_size or (cache.block_size if own_dtype else None)))
     return models
 
 
@@ -115,62 +115,92 @@ def _vllm_pick(vllm_config, gpu_major: int, model: _Model) -> str:
                 checks.FALLBACK)
 
 
-def _block_size(vllm_config, picks: list[str]) -> int:
-    """The block size vLLM pages every MLA layer with
-    (``update_block_size_for_backend``: the user's, else the picks' common
-    preferred size; then the hybrid alignment)."""
-    cache = vllm_config.cache_config
-    block = (cache.block_size if cache.user_specified_block_size
-             else checks.preferred_block_size(picks))
-    if checks.aligns_hybrid_block_size(vllm_config):
-        block = checks.hybrid_aligned_block_size(block)
-    return block
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """What vLLM runs a model's layers on, and what it cannot."""
+
+    model: _Model
+    backend: str
+    problems: list[str]
 
 
-def _check_cuda(vllm_config, gpu_major: int | None) -> None:
-    models = _models(vllm_config)
+def _judge(vllm_config, gpu_major: int | None,
+           block_size: int | None) -> list[_Start]:
+    """Each model's backend and its problems at the block size vLLM pages
+    every MLA layer with (``update_block_size_for_backend``: --block-size
+    ``block_size``, else the picks' common preferred size; then the hybrid
+    alignment). vLLM's other MLA backends are left to vLLM."""
+    models = _models(vllm_config, block_size)
     picks = [_vllm_pick(vllm_config, gpu_major, model) for model in models]
     known = [pick for pick in picks if pick in checks.LIMITS]
     if not known:
-        return
-    block = _block_size(vllm_config, known)
-    for model, pick in zip(models, picks):
-        if pick not in checks.LIMITS:
-            continue  # vLLM's other MLA backends: its own checks
-        if model.named is None and pick == checks.FALLBACK:
-            _fast_path_missed(vllm_config, gpu_major, model)
-        checks.raise_if_unsupported(
-            pick, _setting(vllm_config, gpu_major, model, block),
-            chosen_by=model.flag if model.named else _VLLM)
+        return []
+    block = block_size or checks.preferred_block_size(known)
+    if checks.aligns_hybrid_block_size(vllm_config):
+        block = checks.hybrid_aligned_block_size(block)
+    return [_Start(model, pick, checks.problems(
+        checks.LIMITS[pick], _setting(vllm_config, gpu_major, model, block)))
+        for model, pick in zip(models, picks) if pick in checks.LIMITS]
 
 
-def _fast_path_missed(vllm_config, gpu_major: int, model: _Model) -> None:
-    """vLLM picks TRITON_MLA for ``model`` where a fast DCP backend would
-    serve it at another block size: refused where the draft's own KV dtype
-    passed the provisional size, else one warning."""
-    if model.passed_block_size is None:
+def _check_cuda(vllm_config, gpu_major: int | None) -> None:
+    """Refuse what the workers would refuse or assert on; warn once where
+    vLLM's own choice falls to TRITON_MLA at the user's --block-size while
+    another block size gives a fast DCP path. Either names the block size
+    that works, where one does (``_block_size_that_works``)."""
+    attention, cache = vllm_config.attention_config, vllm_config.cache_config
+    if getattr(attention, "use_non_causal", False) and attention.backend is None:
+        return  # a rebuilt draft config on vLLM's choice: judged with the target's
+    given = cache.block_size if cache.user_specified_block_size else None
+    starts = _judge(vllm_config, gpu_major, given)
+    fell = [start for start in starts if start.model.named is None
+            and start.backend == checks.FALLBACK
+            and start.model.passed_block_size is not None]
+    refused = [start for start in starts if start.problems]
+    if not refused and not fell:
         return
-    for name in checks.mla_order(gpu_major)[:-1]:
-        limits = checks.LIMITS[name]
-        works = math.lcm(max(limits.kernel_block_sizes),
-                         vllm_config.parallel_config.cp_kv_cache_interleave_size)
-        if not limits.overridden or checks.problems(
-                limits, _setting(vllm_config, gpu_major, model, works)):
-            continue
-        layers = "the DSpark draft's layers" if model.draft else "the model's layers"
-        if not vllm_config.cache_config.user_specified_block_size:
-            raise ValueError(
-                f'The DSpark draft\'s own "kv_cache_dtype" in --speculative-config '
-                f"makes vLLM select the draft's attention backend at block size "
-                f"{model.passed_block_size} (its loader passes the provisional "
-                f"size as given), which {name} does not page by: vLLM would "
-                f"silently run the draft on TRITON_MLA. Pass --block-size {works}.")
-        logger.warning_once(
-            "vLLM will run %s on TRITON_MLA under decode context parallelism: "
-            "%s, the fast DCP path on this GPU, does not page by --block-size "
-            "%d. Pass --block-size %d (or leave --block-size out) for %s.",
-            layers, name, model.passed_block_size, works, name)
+    works = _block_size_that_works(vllm_config, gpu_major)
+    for start in refused:
+        chosen = start.model.flag if start.model.named else _VLLM
+        raise ValueError(
+            f"{start.backend} (chosen by {chosen}) cannot serve this "
+            "configuration:\n  - " + "\n  - ".join(start.problems)
+            + _fix(works, start.model))
+    if works is None:
         return
+    if given is None:  # the provisional size of the draft's own KV dtype
+        raise ValueError(
+            'The DSpark draft\'s own "kv_cache_dtype" in --speculative-config '
+            "makes vLLM select the draft's attention backend at block size "
+            f"{fell[0].model.passed_block_size} (its loader passes the "
+            "provisional size as given), where no fast DCP backend on this GPU "
+            "pages: vLLM would silently run the draft on TRITON_MLA."
+            + _fix(works, fell[0].model))
+    layers = " and ".join("the DSpark draft's layers" if start.model.draft
+                          else "the model's layers" for start in fell)
+    logger.warning_once(
+        "vLLM will run %s on TRITON_MLA under decode context parallelism: no "
+        "fast DCP backend on this GPU pages by --block-size %d.%s", layers, given,
+        _fix(works, fell[0].model))
+
+
+def _fix(works, model: _Model) -> str:
+    if works is None:
+        return ""
+    return (f" Pass --block-size {works[0]}: vLLM then runs these layers on "
+            f"{works[1][model.draft]}.")
+
+
+def _block_size_that_works(vllm_config, gpu_major: int | None):
+    """(--block-size, {draft: backend}) that starts every model on a fast DCP
+    backend (not TRITON_MLA), or None: the smallest multiple of the
+    interleave that every kernel pages by."""
+    interleave = vllm_config.parallel_config.cp_kv_cache_interleave_size
+    block = math.lcm(interleave, max(checks.LIMITS[checks.FLASHMLA].kernel_block_sizes))
+    starts = _judge(vllm_config, gpu_major, block)
+    if any(start.problems or start.backend == checks.FALLBACK for start in starts):
+        return None
+    return block, {start.model.draft: start.backend for start in starts}
 
 
 def _check_cpu(vllm_config) -> None:
