@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.cuda_selection import (as_cuda_gpu, check_as_gpu, gpu_engine_config,
-                                          plugin_registered, select_mla_backend)
+                                          plugin_registered, select_mla_backend,
+                                          unloading_llvmlite)
 from tests.support.kernel_stubs import import_on_cpu
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 
@@ -30,12 +31,20 @@ MODULES = {"FLASHINFER_MLA": "flashinfer_dcp_mla", "TOKENSPEED_MLA": "tokenspeed
            "TRITON_MLA": "triton_dcp_mla", "CPU_MLA": "cpu_dcp_mla"}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _unload_llvmlite():
+    with unloading_llvmlite():
+        yield
+
+
 def _backend_class(name: str):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     if name in MODULES:
         import_on_cpu(f"vllm.v1.attention.backends.mla.{MODULES[name]}")
-    with as_cuda_gpu(10), plugin_registered(True):
+    # Registered as on CPU (the plugin's touches import model modules that
+    # must not first load under the CUDA platform), imported as on sm100.
+    with plugin_registered(True), as_cuda_gpu(10):
         return AttentionBackendEnum[name].get_class()
 
 
