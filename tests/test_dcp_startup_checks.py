@@ -304,7 +304,7 @@ def test_draft_kv_dtype_without_block_size_refused_off_hybrid_models(dspark_pair
 DERIVED_BLOCK_CASES = [
     # sm100: FLASHINFER_MLA pages by 32 unless told, so vLLM's order moves on
     # to CUTLASS_MLA for the target, which has no DSpark x DCP.
-    (10, 64, None, "Pass --block-size 64: vLLM then runs these layers on "
+    (10, 64, None, "Pass --block-size 64: vLLM then runs them on "
                    "FLASHINFER_MLA"),
     (10, 64, 64, None),
     (10, 256, None, "Pass --block-size 256"),
@@ -313,7 +313,7 @@ DERIVED_BLOCK_CASES = [
     (9, 32, None, None),
     # ... but not at interleave 128: TRITON_MLA for both, paged by vLLM's
     # default block size.
-    (9, 128, None, "Pass --block-size 128: vLLM then runs these layers on FLASHMLA"),
+    (9, 128, None, "Pass --block-size 128: vLLM then runs them on FLASHMLA"),
 ]
 
 

@@ -20,9 +20,12 @@ all ask it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
 from vllm.v1.attention.backends.mla.dcp_settings import DCPSetting
 
 FP8 = ("fp8", "fp8_e4m3")
@@ -97,39 +100,30 @@ def mla_order(gpu_major: int | None) -> tuple[str, ...]:
 HYBRID_MLA_BLOCK_ALIGNMENT = 128
 
 
-def aligns_hybrid_block_size(vllm_config) -> bool:
-    """Whether vLLM aligns this model's block size for its recurrent-state
-    layers (``HYBRID_MLA_BLOCK_ALIGNMENT``): a hybrid MLA model (GPU platforms;
-    vLLM's CPU platform fixes MLA's block size itself)."""
+def hybrid_aligned(vllm_config, block_size: int | None) -> int | None:
+    """The block size vLLM's hybrid alignment leaves ``block_size`` at for a
+    hybrid MLA model (GPU platforms; vLLM's CPU platform fixes MLA's block
+    size itself); ``block_size`` for any other."""
     model = getattr(vllm_config, "model_config", None)
-    return bool(model is not None and model.use_mla
-                and getattr(model, "is_hybrid", False))
+    if model is not None and model.use_mla and getattr(model, "is_hybrid", False):
+        return max(block_size or 0, HYBRID_MLA_BLOCK_ALIGNMENT)
+    return block_size
 
 
-def hybrid_aligned_block_size(block_size: int | None) -> int:
-    """The block size vLLM's hybrid alignment leaves ``block_size`` at."""
-    return max(block_size or 0, HYBRID_MLA_BLOCK_ALIGNMENT)
-
-
-def preferred_block_size(backends, default: int | None = None) -> int:
+def preferred_block_size(backends) -> int:
     """The block size vLLM's ``update_block_size_for_backend`` gives layers of
     ``backends`` (names) without --block-size: its default if every one
     pages by it, else the smallest common multiple of one kernel size each
-    that all page by (``_preferred_block_size_for_backends``; for one
-    backend its ``get_preferred_block_size``)."""
-    if default is None:
-        from vllm.config.cache import CacheConfig
+    that all page by (``_preferred_block_size_for_backends``)."""
+    from vllm.config.cache import CacheConfig
 
-        default = CacheConfig.DEFAULT_BLOCK_SIZE
     limits = [LIMITS[name] for name in backends]
-    if all(each.pages_by(default) for each in limits):
-        return default
-    if len(limits) == 1:
-        return min(limits[0].kernel_block_sizes)
-    candidates = {1}
-    for each in limits:
-        candidates = {math.lcm(c, size) for c in candidates
-                      for size in each.kernel_block_sizes}
+    candidates = {CacheConfig.DEFAULT_BLOCK_SIZE}
+    if not all(each.pages_by(CacheConfig.DEFAULT_BLOCK_SIZE) for each in limits):
+        candidates = {1}
+        for each in limits:
+            candidates = {math.lcm(c, size) for c in candidates
+                          for size in each.kernel_block_sizes}
     return min(c for c in candidates if all(each.pages_by(c) for each in limits))
 
 
@@ -138,16 +132,12 @@ def default_block_size(backend: str) -> int:
     return preferred_block_size([backend])
 
 
-def backend_block_size(backend: str, block_size: int | None,
-                       vllm_config=None) -> int:
+def backend_block_size(backend: str, block_size: int | None, vllm_config) -> int:
     """The block size vLLM pages ``backend`` with, from the ``block_size``
-    its selector passes (``--block-size`` if given, else None: the config
-    then still holds CacheConfig's provisional default, and a worker later
-    gives the backend ``default_block_size``); for a hybrid MLA model
-    (``aligns_hybrid_block_size``) what vLLM's alignment then sets."""
-    if vllm_config is not None and aligns_hybrid_block_size(vllm_config):
-        return hybrid_aligned_block_size(block_size)
-    return default_block_size(backend) if block_size is None else block_size
+    its selector passes (``--block-size`` if given, else None: a worker later
+    gives the backend ``default_block_size``), hybrid alignment included."""
+    aligned = hybrid_aligned(vllm_config, block_size)
+    return default_block_size(backend) if aligned is None else aligned
 
 
 def _alternatives(s: DCPSetting, exclude: str) -> str:
@@ -189,11 +179,14 @@ def layout_problems(s: DCPSetting, limits: DCPLimits | None = None) -> list[str]
     return problems
 
 
-def problems(limits: DCPLimits, s: DCPSetting) -> list[str]:
-    """Why ``limits``' backend cannot run setting ``s`` (none: [])."""
+def problems(limits: DCPLimits, s: DCPSetting, *,
+             kernel_blocks: bool = True) -> list[str]:
+    """Why ``limits``' backend cannot run setting ``s`` (none: []);
+    ``kernel_blocks``: judge ``s.block_size`` against the kernel's (not in a
+    builder, whose group vLLM already paged by them)."""
     name, flag = limits.name, DRAFT_FLAG if s.draft else TARGET_FLAG
     found = layout_problems(s, limits)
-    if s.dcp_size > 1 and not limits.pages_by(s.block_size):
+    if kernel_blocks and s.dcp_size > 1 and not limits.pages_by(s.block_size):
         sizes = " or ".join(map(str, limits.kernel_block_sizes))
         found.append(f"{name} pages the KV cache by {sizes} tokens, not "
                      f"{s.block_size}: pass --block-size "
@@ -254,54 +247,36 @@ def problems(limits: DCPLimits, s: DCPSetting) -> list[str]:
 
 
 def raise_if_unsupported(backend: str, setting: DCPSetting,
-                         chosen_by: str | None = None) -> None:
+                         chosen_by: str | None = None, **kwargs) -> None:
     """Raise one ``ValueError`` listing every problem of ``setting`` for
-    ``backend``; ``chosen_by``: what picked it (a flag), named in it."""
-    found = problems(LIMITS[backend], setting)
+    ``backend`` (``problems``' ``kwargs``); ``chosen_by``: what picked it (a
+    flag), named in it."""
+    found = problems(LIMITS[backend], setting, **kwargs)
     if found:
         chosen = f" (chosen by {chosen_by})" if chosen_by else ""
         raise ValueError(f"{backend}{chosen} cannot serve this configuration:"
                          "\n  - " + "\n  - ".join(found))
 
 
-def selection_block_size(block_size: int | None) -> int | None:
-    """The block size a DCP backend's selection judges for the current
-    config: under DCP, for a hybrid MLA model, the aligned one (the selector
-    passes the provisional 16 of a draft's rebuilt cache config as if
-    given, and None elsewhere); else the selector's own."""
-    from vllm.config import get_current_vllm_config
-
-    from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
-
-    vllm_config = get_current_vllm_config()
-    if current_dcp_size() > 1 and aligns_hybrid_block_size(vllm_config):
-        return hybrid_aligned_block_size(block_size)
-    return block_size
-
-
 class DCPLimitsSelection:
     """Mixin for a DCP backend class (first in its bases) with a
-    ``dcp_limits`` record: vLLM's selection (``validate_configuration``)
-    judges the block size the layers will be paged with
-    (``selection_block_size``) and, under DCP, declines a setting the record
-    does not serve, so that vLLM's order moves on (or a named backend is
-    refused with the record's reasons)."""
+    ``dcp_limits`` record: under DCP vLLM's selection
+    (``validate_configuration``) judges the block size the layers will be
+    paged with (for Kimi-K3 the hybrid alignment, not the provisional size a
+    DSpark draft's rebuilt cache config passes) and declines a setting the
+    record does not serve, so that vLLM's order moves on (or a named
+    backend is refused with the record's reasons)."""
 
     dcp_limits: DCPLimits
 
     @classmethod
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size,
                                *args, **kwargs) -> list[str]:
-        import dataclasses
-
-        from vllm.config import get_current_vllm_config
-
-        from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
-
-        block_size = selection_block_size(block_size)
+        vllm_config = get_current_vllm_config()
+        if current_dcp_size() > 1:
+            block_size = hybrid_aligned(vllm_config, block_size)
         reasons = super().validate_configuration(  # type: ignore[misc]
             head_size, dtype, kv_cache_dtype, block_size, *args, **kwargs)
-        vllm_config = get_current_vllm_config()
         capability = kwargs.get("device_capability")
         if (current_dcp_size() == 1 or vllm_config.model_config is None
                 or capability is None):

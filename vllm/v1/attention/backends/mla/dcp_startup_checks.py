@@ -1,42 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run the DCP checks when vLLM builds its config, before anything starts.
 
-vLLM calls the current platform's ``check_and_update_config`` from
-``VllmConfig.__post_init__``, in the process that parses the command line,
-on every platform, before it spawns a worker or loads a model. Backend
-selection comes later, inside the workers (the CPU platform skips it), the
-block size after the model is built, the metadata builders after the
-weights load. So ``install()`` appends ``check_vllm_config`` to the
-platform's hook, and a ``vllm serve -dcp N`` that the workers would refuse
-or assert on fails in seconds, naming the flag to change.
+vLLM calls the platform's ``check_and_update_config`` from
+``VllmConfig.__post_init__`` in the process that parses the command line,
+before any worker starts; backend selection, the block size and the
+builders come later, in the workers. ``install()`` appends
+``check_vllm_config`` to that hook, so a ``vllm serve -dcp N`` the workers
+would refuse or assert on fails in seconds, naming the flag to change.
 
-At any ``-dcp``: on CPU, DSpark (and any feature only Model Runner V2 has)
-without ``VLLM_DCP_CPU_MRV2=1`` is refused naming that switch; on CUDA,
-Kimi-K3 over a plain fp8 KV cache on sm100 without the fp8 prefill query
-its prefill needs (``k3_fp8_prefill.prefill_query_problem``), naming
-``--attention-config``.
+At any ``-dcp``: on CPU, DSpark without ``VLLM_DCP_CPU_MRV2=1`` names that
+switch; on CUDA, Kimi-K3 over a plain fp8 cache on sm100 without an fp8
+prefill query names ``--attention-config`` (``k3_fp8_prefill``).
 
-Under DCP, each model's MLA layers (the target's; a DSpark draft's, or a
-draft that names a backend) get the backend vLLM will run: the one named
-(``--attention-backend``, the draft's ``attention_backend``), else the first
-of vLLM's order on this GPU whose selection accepts them (``_vllm_pick``,
-from each backend's ``DCPLimits``: GPU, KV dtype, block size at selection,
-and for the plugin's backends everything their selection hook declines);
-on CPU the one vLLM's own selector picks. Then the block size vLLM will
-use for all of them together (``--block-size``, else the backends' common
-preferred size; for Kimi-K3 its hybrid alignment), and each model's setting
-at that size is judged against its backend's record: every problem is
-refused, naming the flag and a value that works. Where vLLM's own choice
-falls to TRITON_MLA while a fast DCP backend would serve the model at
-another ``--block-size``, one warning names it (vLLM starts that config; a
-draft pushed there by the provisional block size of its own
-``"kv_cache_dtype"`` is refused, naming ``--block-size``).
+Under DCP, each model's MLA layers (the target's, a DSpark draft's) get the
+backend vLLM will run: the one named, else the first of vLLM's order on
+this GPU whose selection accepts them (each backend's ``DCPLimits``); on
+CPU vLLM's own selector answers. At the block size vLLM then pages them all
+with (``--block-size``, else the picks' common preferred size; Kimi-K3's
+hybrid alignment) every problem of each model's setting is refused, naming
+the flag and the ``--block-size`` that starts both models on a fast DCP
+backend where one does. vLLM's own choice falling to TRITON_MLA at an
+explicit ``--block-size`` is warned once (refused where it is the
+provisional size a draft's own ``"kv_cache_dtype"`` passes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
@@ -46,14 +38,11 @@ from vllm.v1.attention.backends.mla.dcp_settings import DCPSetting
 logger = init_logger(__name__)
 
 _MARK = "_dcp_dspark_startup_checks"
-_CPU_VLLM = "vLLM on this CPU"
-_VLLM = "vLLM"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Model:
-    """One model's MLA layers: the backend named for them (flag) and the
-    block size vLLM's selector passes for them (None: not given)."""
+class _Model(NamedTuple):
+    """One model's MLA layers: the backend named for them (by ``flag``) and
+    the block size vLLM's selector passes for them (None: not given)."""
 
     draft: bool
     named: str | None
@@ -61,20 +50,25 @@ class _Model:
     passed_block_size: int | None
 
 
+class _Start(NamedTuple):
+    model: _Model
+    backend: str
+    problems: list[str]
+
+
 def _models(vllm_config, block_size: int | None) -> list[_Model]:
     """Each model's MLA layers, ``block_size`` passed as --block-size."""
-    cache, spec = vllm_config.cache_config, vllm_config.speculative_config
-    if getattr(vllm_config.attention_config, "use_non_causal", False):
-        # A non-causal drafter's own config, which vLLM's DSpark loader
-        # rebuilds in each worker (this hook runs on it again): its backend
-        # is the draft's attention_backend, its block size passed as given.
-        return [_Model(True, _name(vllm_config.attention_config.backend),
-                       checks.DRAFT_FLAG, cache.block_size)]
-    models = [_Model(False, _name(vllm_config.attention_config.backend),
-                     checks.TARGET_FLAG, block_size)]
+    attention, cache = vllm_config.attention_config, vllm_config.cache_config
+    spec = vllm_config.speculative_config
+    if getattr(attention, "use_non_causal", False):
+        # A non-causal drafter's own config, rebuilt by vLLM's DSpark loader
+        # in each worker: its block size passed as given.
+        return [_Model(True, _name(attention.backend), checks.DRAFT_FLAG,
+                       cache.block_size)]
+    models = [_Model(False, _name(attention.backend), checks.TARGET_FLAG, block_size)]
     if spec is not None and (spec.method == "dspark"
                              or spec.attention_backend is not None):
-        # vLLM's DSpark loader rebuilds the draft's cache config with its own
+        # The loader rebuilds the cache config of a draft with its own
         # kv_cache_dtype, passing the provisional block size as if given.
         own_dtype = getattr(spec, "kv_cache_dtype", None) is not None
         models.append(_Model(True, _name(spec.attention_backend), checks.DRAFT_FLAG,
@@ -92,65 +86,45 @@ def _setting(vllm_config, gpu_major, model: _Model, block_size: int) -> DCPSetti
         block_size=block_size)
 
 
-def _declines(name: str, vllm_config, gpu_major: int, model: _Model) -> bool:
-    """Whether vLLM's selection of ``name`` declines ``model``'s layers."""
+def _selects(name: str, vllm_config, gpu_major: int, model: _Model) -> bool:
+    """Whether vLLM's selection of ``name`` accepts ``model``'s layers: the
+    plugin's hook declines every problem of the record, vLLM's own hooks
+    the GPU, KV dtype, block size and non-causal DCP."""
     limits = checks.LIMITS[name]
     block = checks.backend_block_size(name, model.passed_block_size, vllm_config)
     setting = _setting(vllm_config, gpu_major, model, block)
-    if limits.overridden:  # the plugin's selection hook: the whole record
-        return bool(checks.problems(limits, setting))
-    # vLLM's own hooks
-    return not (gpu_major in (limits.gpu_majors or (gpu_major,))
-                and limits.reads(setting.kv_cache_dtype, gpu_major)
-                and (model.passed_block_size is None or limits.pages_by(block))
-                and (limits.non_causal or not model.draft))
+    if limits.overridden:
+        return not checks.problems(limits, setting)
+    return (gpu_major in (limits.gpu_majors or (gpu_major,))
+            and limits.reads(setting.kv_cache_dtype, gpu_major)
+            and (model.passed_block_size is None or limits.pages_by(block))
+            and (limits.non_causal or not model.draft))
 
 
-def _vllm_pick(vllm_config, gpu_major: int, model: _Model) -> str:
-    """The backend vLLM's selector picks for ``model``'s layers on CUDA."""
-    if model.named is not None:
-        return model.named
-    return next((name for name in checks.mla_order(gpu_major)
-                 if not _declines(name, vllm_config, gpu_major, model)),
-                checks.FALLBACK)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Start:
-    """What vLLM runs a model's layers on, and what it cannot."""
-
-    model: _Model
-    backend: str
-    problems: list[str]
-
-
-def _judge(vllm_config, gpu_major: int | None,
-           block_size: int | None) -> list[_Start]:
-    """Each model's backend and its problems at the block size vLLM pages
-    every MLA layer with (``update_block_size_for_backend``: --block-size
-    ``block_size``, else the picks' common preferred size; then the hybrid
-    alignment). vLLM's other MLA backends are left to vLLM."""
+def _judge(vllm_config, gpu_major: int | None, block_size: int | None) -> list[_Start]:
+    """Each model's backend (named, or vLLM's pick) and its problems at the
+    block size vLLM pages every MLA layer with (``update_block_size_for_backend``:
+    --block-size ``block_size``, else the picks' common preferred size; the
+    hybrid alignment). vLLM's other MLA backends are left to vLLM."""
     models = _models(vllm_config, block_size)
-    picks = [_vllm_pick(vllm_config, gpu_major, model) for model in models]
+    picks = [model.named or next(
+        (name for name in checks.mla_order(gpu_major)
+         if _selects(name, vllm_config, gpu_major, model)), checks.FALLBACK)
+        for model in models]
     known = [pick for pick in picks if pick in checks.LIMITS]
     if not known:
         return []
-    block = block_size or checks.preferred_block_size(known)
-    if checks.aligns_hybrid_block_size(vllm_config):
-        block = checks.hybrid_aligned_block_size(block)
+    block = checks.hybrid_aligned(vllm_config,
+                                  block_size or checks.preferred_block_size(known))
     return [_Start(model, pick, checks.problems(
         checks.LIMITS[pick], _setting(vllm_config, gpu_major, model, block)))
         for model, pick in zip(models, picks) if pick in checks.LIMITS]
 
 
 def _check_cuda(vllm_config, gpu_major: int | None) -> None:
-    """Refuse what the workers would refuse or assert on; warn once where
-    vLLM's own choice falls to TRITON_MLA at the user's --block-size while
-    another block size gives a fast DCP path. Either names the block size
-    that works, where one does (``_block_size_that_works``)."""
     attention, cache = vllm_config.attention_config, vllm_config.cache_config
     if getattr(attention, "use_non_causal", False) and attention.backend is None:
-        return  # a rebuilt draft config on vLLM's choice: judged with the target's
+        return  # a rebuilt draft config on vLLM's choice: judged with the target
     given = cache.block_size if cache.user_specified_block_size else None
     starts = _judge(vllm_config, gpu_major, given)
     fell = [start for start in starts if start.model.named is None
@@ -159,14 +133,13 @@ def _check_cuda(vllm_config, gpu_major: int | None) -> None:
     refused = [start for start in starts if start.problems]
     if not refused and not fell:
         return
-    works = _block_size_that_works(vllm_config, gpu_major)
+    fix = _fix(vllm_config, gpu_major)
     for start in refused:
-        chosen = start.model.flag if start.model.named else _VLLM
+        chosen = start.model.flag if start.model.named else "vLLM"
         raise ValueError(
             f"{start.backend} (chosen by {chosen}) cannot serve this "
-            "configuration:\n  - " + "\n  - ".join(start.problems)
-            + _fix(works, start.model))
-    if works is None:
+            "configuration:\n  - " + "\n  - ".join(start.problems) + fix)
+    if not fix:
         return
     if given is None:  # the provisional size of the draft's own KV dtype
         raise ValueError(
@@ -174,33 +147,25 @@ def _check_cuda(vllm_config, gpu_major: int | None) -> None:
             "makes vLLM select the draft's attention backend at block size "
             f"{fell[0].model.passed_block_size} (its loader passes the "
             "provisional size as given), where no fast DCP backend on this GPU "
-            "pages: vLLM would silently run the draft on TRITON_MLA."
-            + _fix(works, fell[0].model))
-    layers = " and ".join("the DSpark draft's layers" if start.model.draft
-                          else "the model's layers" for start in fell)
+            "pages: vLLM would silently run the draft on TRITON_MLA." + fix)
     logger.warning_once(
         "vLLM will run %s on TRITON_MLA under decode context parallelism: no "
-        "fast DCP backend on this GPU pages by --block-size %d.%s", layers, given,
-        _fix(works, fell[0].model))
+        "fast DCP backend on this GPU pages by --block-size %d.%s",
+        " and ".join("the DSpark draft's layers" if start.model.draft
+                     else "the model's layers" for start in fell), given, fix)
 
 
-def _fix(works, model: _Model) -> str:
-    if works is None:
-        return ""
-    return (f" Pass --block-size {works[0]}: vLLM then runs these layers on "
-            f"{works[1][model.draft]}.")
-
-
-def _block_size_that_works(vllm_config, gpu_major: int | None):
-    """(--block-size, {draft: backend}) that starts every model on a fast DCP
-    backend (not TRITON_MLA), or None: the smallest multiple of the
-    interleave that every kernel pages by."""
+def _fix(vllm_config, gpu_major: int | None) -> str:
+    """The --block-size that starts every model on a fast DCP backend (not
+    TRITON_MLA), the smallest multiple of the interleave every kernel pages
+    by, as a sentence; "" where it does not."""
     interleave = vllm_config.parallel_config.cp_kv_cache_interleave_size
     block = math.lcm(interleave, max(checks.LIMITS[checks.FLASHMLA].kernel_block_sizes))
     starts = _judge(vllm_config, gpu_major, block)
     if any(start.problems or start.backend == checks.FALLBACK for start in starts):
-        return None
-    return block, {start.model.draft: start.backend for start in starts}
+        return ""
+    backends = " and ".join(dict.fromkeys(start.backend for start in starts))
+    return f" Pass --block-size {block}: vLLM then runs them on {backends}."
 
 
 def _check_cpu(vllm_config) -> None:
@@ -220,14 +185,13 @@ def _check_cpu(vllm_config) -> None:
         choices.append((draft, True, flag))
     for backend, draft, flag in choices:
         name = _cpu_mla_backend(vllm_config, backend)
-        chosen_by = flag if backend is not None else _CPU_VLLM
+        chosen_by = flag if backend is not None else "vLLM on this CPU"
         if name not in checks.LIMITS:  # AMX_MLA on a CPU with AMX
             layers, fix = (
                 ("the DSpark draft's layers",
                  'add "attention_backend": "CPU_MLA" to --speculative-config')
                 if draft else ("this model", "pass --attention-backend CPU_MLA"))
-            picked = (f"picks {name}" if backend is None else
-                      f"runs {name} (chosen by {chosen_by})")
+            picked = f"picks {name}" if backend is None else f"runs {name} ({flag})"
             raise ValueError(f"vLLM {picked} for {layers} on this CPU, which has "
                              f"no decode context parallelism: {fix}.")
         checks.raise_if_unsupported(
