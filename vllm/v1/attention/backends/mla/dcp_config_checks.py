@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
@@ -34,7 +33,7 @@ TARGET_FLAG = "--attention-backend"
 DRAFT_FLAG = "attention_backend in --speculative-config"
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DCPLimits:
     """What one MLA backend serves under DCP x DSpark (``None``: no limit)."""
 
