@@ -302,14 +302,15 @@ def test_draft_kv_dtype_without_block_size_refused_off_hybrid_models(dspark_pair
 # DSpark draft, no backend named: the block size vLLM will use is derived
 # from the backends its order picks.
 DERIVED_BLOCK_CASES = [
-    # sm100: FLASHINFER_MLA pages by 32 unless told, so vLLM's order moves on
-    # to CUTLASS_MLA for the target, which has no DSpark x DCP.
-    (10, 64, None, "Pass --block-size 64: vLLM then runs them on "
-                   "FLASHINFER_MLA"),
-    (10, 64, 64, None),
+    # sm100: FLASHINFER_MLA pages by FI_BLOCK unless told, so at twice that
+    # interleave vLLM's order moves on to CUTLASS_MLA for the target, which
+    # has no DSpark x DCP.
+    (10, 2 * FI_BLOCK, None, f"Pass --block-size {max(2 * FI_BLOCK, 64)}: vLLM "
+                             "then runs them on FLASHINFER_MLA"),
+    (10, 2 * FI_BLOCK, 2 * FI_BLOCK, None),
     (10, 256, None, "Pass --block-size 256"),
     # sm90: FLASHMLA pages by 64, FLASH_ATTN_MLA by 16 but serves DSpark at
-    # interleave 1 only: vLLM picks FLASHMLA for both models.
+    # interleave 1 only: vLLM picks FLASHMLA for both models ...
     (9, 32, None, None),
     # ... but not at interleave 128: TRITON_MLA for both, paged by vLLM's
     # default block size.
@@ -361,3 +362,17 @@ def test_fall_to_triton_at_an_explicit_block_size_warned(dspark_pair, major, rol
                      major)
         check_as_gpu(gpu_engine_config(target, dcp=1, **flags), major)
         assert warning.call_count == 0
+
+
+def test_other_named_backends_left_to_vllm(dspark_pair):
+    """A backend without a record here (vLLM's sparse ones, 0.34's
+    KIMI_K3_KV_BALANCED_MLA) is vLLM's to check; the draft beside it is
+    judged at the block size its own backend gets."""
+    target, draft = dspark_pair
+    config = gpu_engine_config(target, tp=8, dcp=8, max_model_len=2048,
+                               attention_backend="FLASHMLA_SPARSE",
+                               speculative_config=dspark(draft, 4))
+    check_as_gpu(config, 10)
+    config.parallel_config.cp_kv_cache_interleave_size = 256
+    with pytest.raises(ValueError, match="TRITON_MLA \\(chosen by vLLM\\)"):
+        check_as_gpu(config, 10)

@@ -60,6 +60,8 @@ class DCPLimits:
         return kv_cache_dtype in self.kv_cache_dtypes
 
     def pages_by(self, block_size: int) -> bool:
+        if self.fixed_block_size is not None:  # vLLM's CPU_MLA: exactly
+            return block_size == self.fixed_block_size
         return any(block_size % size == 0 for size in self.kernel_block_sizes)
 
 

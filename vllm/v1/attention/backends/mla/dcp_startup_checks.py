@@ -58,6 +58,8 @@ class _Start(NamedTuple):
 
 def _models(vllm_config, block_size: int | None) -> list[_Model]:
     """Each model's MLA layers, ``block_size`` passed as --block-size."""
+    from vllm.config.cache import CacheConfig
+
     attention, cache = vllm_config.attention_config, vllm_config.cache_config
     spec = vllm_config.speculative_config
     if getattr(attention, "use_non_causal", False):
@@ -71,8 +73,9 @@ def _models(vllm_config, block_size: int | None) -> list[_Model]:
         # The loader rebuilds the cache config of a draft with its own
         # kv_cache_dtype, passing the provisional block size as if given.
         own_dtype = getattr(spec, "kv_cache_dtype", None) is not None
+        provisional = CacheConfig.DEFAULT_BLOCK_SIZE if own_dtype else None
         models.append(_Model(True, _name(spec.attention_backend), checks.DRAFT_FLAG,
-                             block_size or (cache.block_size if own_dtype else None)))
+                             block_size or provisional))
     return models
 
 
@@ -111,14 +114,20 @@ def _judge(vllm_config, gpu_major: int | None, block_size: int | None) -> list[_
         (name for name in checks.mla_order(gpu_major)
          if _selects(name, vllm_config, gpu_major, model)), checks.FALLBACK)
         for model in models]
-    known = [pick for pick in picks if pick in checks.LIMITS]
+    known = [(model, pick) for model, pick in zip(models, picks)
+             if pick in checks.LIMITS]
     if not known:
         return []
-    block = checks.hybrid_aligned(vllm_config,
-                                  block_size or checks.preferred_block_size(known))
+    common = checks.hybrid_aligned(vllm_config, block_size or checks.preferred_block_size(
+        [pick for _, pick in known]))
+
+    def block(pick: str) -> int:  # beside an unknown backend: its own size
+        return (common if len(known) == len(models) else
+                checks.backend_block_size(pick, block_size, vllm_config))
+
     return [_Start(model, pick, checks.problems(
-        checks.LIMITS[pick], _setting(vllm_config, gpu_major, model, block)))
-        for model, pick in zip(models, picks) if pick in checks.LIMITS]
+        checks.LIMITS[pick], _setting(vllm_config, gpu_major, model, block(pick))))
+        for model, pick in known]
 
 
 def _check_cuda(vllm_config, gpu_major: int | None) -> None:
