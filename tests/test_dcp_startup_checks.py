@@ -110,14 +110,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 # 0.32 (default 16, not a kernel size), 64 on 0.34 (default 64).
 FI_BLOCK = default_block_size("FLASHINFER_MLA")
 
+# Each backend's own limits on sm90 and sm100: tests/test_dcp_backend_limits.py.
 GPU_CASES = [
-    (dict(attention_backend="FLASHINFER_MLA", kv_cache_dtype="fp8"), 9,
-     ["FLASHINFER_MLA (chosen by --attention-backend) cannot serve",
-      "--kv-cache-dtype auto"]),
     (dict(attention_backend="FLASHINFER_MLA"), 8, ["--attention-backend"]),
-    (dict(attention_backend="TOKENSPEED_MLA"), 10,
-     ["TOKENSPEED_MLA (chosen by --attention-backend) cannot serve",
-      "--kv-cache-dtype fp8"]),
     (dict(speculative_config=dict(NGRAM, attention_backend="TOKENSPEED_MLA"),
           kv_cache_dtype="fp8"), 9,
      ["TOKENSPEED_MLA (chosen by attention_backend in --speculative-config) "
@@ -132,10 +127,11 @@ GPU_CASES = [
      None),
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=2 * FI_BLOCK),
      9, [f"block size, {FI_BLOCK} here: pass --block-size"]),
-    (dict(attention_backend="TOKENSPEED_MLA", kv_cache_dtype="fp8",
-          cp_kv_cache_interleave_size=16), 10, None),
-    (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=16), 9,
-     None),
+    # --block-size given: the interleave is checked whatever vLLM picks.
+    (dict(cp_kv_cache_interleave_size=48, block_size=64), 10,
+     ["--cp-kv-cache-interleave-size 48 must divide the KV-cache block size, 64 "
+      "here: pass --block-size 48"]),
+    (dict(cp_kv_cache_interleave_size=32, block_size=64), 10, None),
 ]
 
 
@@ -153,18 +149,6 @@ def test_gpu_backends_checked_at_config_time(model_dir, flags, major, texts):
         check_as_gpu(config, major)
     for text in texts:
         assert text in str(error.value)
-
-
-def test_gpu_explicit_block_size_checked_for_any_backend(model_dir):
-    """With --block-size given, the interleave is checked whatever vLLM picks."""
-    config = gpu_engine_config(model_dir, cp_kv_cache_interleave_size=48,
-                               block_size=64)
-    with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 48 must "
-                                         "divide the KV-cache block size, 64 "
-                                         "here: pass --block-size 48"):
-        check_as_gpu(config, 10)
-    config.parallel_config.cp_kv_cache_interleave_size = 32
-    check_as_gpu(config, 10)
 
 
 @pytest.fixture(scope="module")
