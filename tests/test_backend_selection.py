@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.support.builder_harness import fake_dcp_group, make_mla_impl, make_vllm_config
-from tests.support.cuda_selection import as_cuda_gpu, plugin_registered, select_mla_backend
+from tests.support.cuda_selection import (as_cuda_gpu, plugin_registered, select_mla_backend,
+                                          unloading_llvmlite)
 from tests.support.dense_reference import KV_LORA_RANK, ROPE_DIM
 from tests.support.kernel_stubs import import_on_cpu
 
@@ -32,18 +33,8 @@ GPU_MAJORS = (9, 10)
 
 @pytest.fixture(autouse=True, scope="module")
 def _unload_llvmlite():
-    """Selecting as on a GPU imports FlashInfer's CUDA stack, and with it
-    llvmlite, whose ``ffi.lib`` answers every attribute lookup: vLLM's
-    Triton dispatcher (``register_kernels``) then fails scanning
-    ``sys.modules`` in any later test of this process. Unload what this
-    module loaded of it."""
-    import sys
-
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if name.split(".")[0] in ("llvmlite", "numba"):
-            del sys.modules[name]
+    with unloading_llvmlite():
+        yield
 
 
 def _selected(result):

@@ -11,6 +11,7 @@ as a Hopper / Blackwell GPU would.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -102,26 +103,6 @@ def test_cpu_with_amx_asks_for_cpu_mla(model_dir):
         assert config.attention_config.backend.name == "CPU_MLA"
 
 
-@pytest.mark.parametrize("backend", ["FLASHINFER_MLA", "TOKENSPEED_MLA"])
-def test_default_block_size_table_is_vllms(backend):
-    """The table the config-time check reads is what vLLM's selection picks."""
-    from tests.support.kernel_stubs import import_on_cpu
-    from vllm.config.cache import CacheConfig
-    from vllm.v1.attention.backends.mla import dcp_config_checks as checks
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    module = {"FLASHINFER_MLA": "flashinfer_dcp_mla",
-              "TOKENSPEED_MLA": "tokenspeed_dcp_mla"}[backend]
-    import_on_cpu(f"vllm.v1.attention.backends.mla.{module}")
-    with plugin_registered(True):
-        backend_cls = AttentionBackendEnum[backend].get_class()
-    assert backend_cls.__module__.endswith(module)  # the plugin's override
-    assert checks.KERNEL_BLOCK_SIZES[backend] == tuple(
-        backend_cls.get_supported_kernel_block_sizes())
-    assert checks.default_block_size(backend) == backend_cls.get_preferred_block_size(
-        CacheConfig.DEFAULT_BLOCK_SIZE)
-
-
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 # (engine flags, GPU major, texts the error must contain); None: accepted
@@ -129,32 +110,28 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 # 0.32 (default 16, not a kernel size), 64 on 0.34 (default 64).
 FI_BLOCK = default_block_size("FLASHINFER_MLA")
 
+# Each backend's own limits on sm90 and sm100: tests/test_dcp_backend_limits.py.
 GPU_CASES = [
-    (dict(attention_backend="FLASHINFER_MLA", kv_cache_dtype="fp8"), 9,
-     ["FLASHINFER_MLA (chosen by --attention-backend) cannot serve",
-      "--kv-cache-dtype auto"]),
     (dict(attention_backend="FLASHINFER_MLA"), 8, ["--attention-backend"]),
-    (dict(attention_backend="TOKENSPEED_MLA"), 10,
-     ["TOKENSPEED_MLA (chosen by --attention-backend) cannot serve",
-      "--kv-cache-dtype fp8"]),
     (dict(speculative_config=dict(NGRAM, attention_backend="TOKENSPEED_MLA"),
           kv_cache_dtype="fp8"), 9,
      ["TOKENSPEED_MLA (chosen by attention_backend in --speculative-config) "
-      "cannot serve", "FLASHINFER_MLA"]),
+      "cannot serve", "name FLASHMLA in attention_backend in --speculative-config"]),
     # FlashInfer pages by FI_BLOCK unless told: twice that cannot divide it ...
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=2 * FI_BLOCK),
      10, [f"--cp-kv-cache-interleave-size {2 * FI_BLOCK} must divide "
-          f"the KV-cache block size, {FI_BLOCK} here: pass --block-size a "
-          f"multiple of {2 * FI_BLOCK}"]),
+          f"the KV-cache block size, {FI_BLOCK} here: pass --block-size "
+          f"{max(2 * FI_BLOCK, 64)}"]),
     # ... FI_BLOCK does, whatever the config's block size says before that
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=FI_BLOCK), 10,
      None),
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=2 * FI_BLOCK),
      9, [f"block size, {FI_BLOCK} here: pass --block-size"]),
-    (dict(attention_backend="TOKENSPEED_MLA", kv_cache_dtype="fp8",
-          cp_kv_cache_interleave_size=16), 10, None),
-    (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=16), 9,
-     None),
+    # --block-size given: the interleave is checked whatever vLLM picks.
+    (dict(cp_kv_cache_interleave_size=48, block_size=64), 10,
+     ["--cp-kv-cache-interleave-size 48 must divide the KV-cache block size, 64 "
+      "here: pass --block-size 48"]),
+    (dict(cp_kv_cache_interleave_size=32, block_size=64), 10, None),
 ]
 
 
@@ -172,18 +149,6 @@ def test_gpu_backends_checked_at_config_time(model_dir, flags, major, texts):
         check_as_gpu(config, major)
     for text in texts:
         assert text in str(error.value)
-
-
-def test_gpu_explicit_block_size_checked_for_any_backend(model_dir):
-    """With --block-size given, the interleave is checked whatever vLLM picks."""
-    config = gpu_engine_config(model_dir, cp_kv_cache_interleave_size=48,
-                               block_size=64)
-    with pytest.raises(ValueError, match="--cp-kv-cache-interleave-size 48 must "
-                                         "divide the KV-cache block size, 64 "
-                                         "here: pass --block-size a multiple of 48"):
-        check_as_gpu(config, 10)
-    config.parallel_config.cp_kv_cache_interleave_size = 32
-    check_as_gpu(config, 10)
 
 
 @pytest.fixture(scope="module")
@@ -316,31 +281,82 @@ def test_draft_kv_dtype_without_block_size_refused_off_hybrid_models(dspark_pair
     check_as_gpu(gpu_engine_config(target, dcp=1, **flags), major)
 
 
-@pytest.mark.parametrize("target,draft,method,refused", [
-    ("CUTLASS_MLA", None, "dspark", "--attention-backend"),
-    (None, "CUTLASS_MLA", "dspark", "attention_backend in --speculative-config"),
-    ("CUTLASS_MLA", None, "mtp", None),  # no DSpark: vLLM's own routing
-    # vLLM's own DSpark x DCP backends, and the plugin's.
-    ("KIMI_K3_KV_BALANCED_MLA", "FLASHMLA_SPARSE", "dspark", None),
-    ("FLASHMLA", "TRITON_MLA", "dspark", None),
-])
-def test_named_backend_without_dspark_dcp_refused(target, draft, method, refused):
-    from types import SimpleNamespace
+# (GPU major, interleave, --block-size, text of the refusal; None: starts)
+# A DeepSeek-V3-shaped target (vLLM does not align its block size) with a
+# DSpark draft, no backend named: the block size vLLM will use is derived
+# from the backends its order picks.
+DERIVED_BLOCK_CASES = [
+    # sm100: FLASHINFER_MLA pages by FI_BLOCK unless told, so at twice that
+    # interleave vLLM's order moves on to CUTLASS_MLA for the target, which
+    # has no DSpark x DCP.
+    (10, 2 * FI_BLOCK, None, f"Pass --block-size {max(2 * FI_BLOCK, 64)}: vLLM "
+                             "then runs them on FLASHINFER_MLA"),
+    (10, 2 * FI_BLOCK, 2 * FI_BLOCK, None),
+    (10, 256, None, "Pass --block-size 256"),
+    # sm90: FLASHMLA pages by 64, FLASH_ATTN_MLA by 16 but serves DSpark at
+    # interleave 1 only: vLLM picks FLASHMLA for both models ...
+    (9, 32, None, None),
+    # ... but not at interleave 128: TRITON_MLA for both, paged by vLLM's
+    # default block size.
+    (9, 128, None, "Pass --block-size 128: vLLM then runs them on FLASHMLA"),
+]
 
+
+@pytest.mark.parametrize("major,interleave,block_size,refusal", DERIVED_BLOCK_CASES)
+def test_interleave_checked_at_the_block_size_vllm_will_use(dspark_pair, major,
+                                                            interleave, block_size,
+                                                            refusal):
+    target, draft = dspark_pair
+    config = gpu_engine_config(
+        target, tp=8, dcp=8, max_model_len=2048,
+        cp_kv_cache_interleave_size=interleave,
+        speculative_config=dspark(draft, 4),
+        **({} if block_size is None else dict(block_size=block_size)))
+    if refusal is None:
+        check_as_gpu(config, major)
+        return
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        check_as_gpu(config, major)
+
+
+@pytest.mark.parametrize("major,role", [(9, "draft"), (10, "target")])
+def test_fall_to_triton_at_an_explicit_block_size_warned(dspark_pair, major, role):
+    """--block-size 16 on a model vLLM does not align: vLLM's selector gives
+    the draft (sm90) or both models (sm100) TRITON_MLA, which starts; one
+    warning names the block size of the fast path. At -dcp 1 nothing."""
+    from unittest import mock
+
+    from tests.support.cuda_selection import plugin_registered, select_mla_backend
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
-    def named(name):
-        return None if name is None else SimpleNamespace(name=name)
+    target, draft = dspark_pair
+    flags = dict(tp=8, max_model_len=2048, block_size=16,
+                 speculative_config=dspark(draft, 4))
+    config = gpu_engine_config(target, dcp=8, **flags)
+    with plugin_registered(True):
+        selected = select_mla_backend(config, major, non_causal=role == "draft")
+    assert selected.get_name() == "TRITON_MLA"
+    with mock.patch.object(dcp_startup_checks.logger, "warning_once") as warning:
+        check_as_gpu(config, major)
+        assert warning.call_count == 1
+        message = warning.call_args.args[0] % warning.call_args.args[1:]
+        assert "on TRITON_MLA" in message and "Pass --block-size 64" in message
+        warning.reset_mock()
+        check_as_gpu(gpu_engine_config(target, dcp=8, **dict(flags, block_size=64)),
+                     major)
+        check_as_gpu(gpu_engine_config(target, dcp=1, **flags), major)
+        assert warning.call_count == 0
 
-    config = SimpleNamespace(
-        attention_config=SimpleNamespace(backend=named(target)),
-        speculative_config=SimpleNamespace(method=method,
-                                           attention_backend=named(draft)))
-    if refused is None:
-        dcp_startup_checks._refuse_named_backend_without_dspark_dcp(config, 10)
-        return
-    with pytest.raises(ValueError, match="CUTLASS_MLA") as refusal:
-        dcp_startup_checks._refuse_named_backend_without_dspark_dcp(config, 9)
-    message = str(refusal.value)
-    assert f"name FLASHMLA or TRITON_MLA in {refused}" in message
-    assert "-dcp 1" in message
+
+def test_other_named_backends_left_to_vllm(dspark_pair):
+    """A backend without a record here (vLLM's sparse ones, 0.34's
+    KIMI_K3_KV_BALANCED_MLA) is vLLM's to check; the draft beside it is
+    judged at the block size its own backend gets."""
+    target, draft = dspark_pair
+    config = gpu_engine_config(target, tp=8, dcp=8, max_model_len=2048,
+                               attention_backend="FLASHMLA_SPARSE",
+                               speculative_config=dspark(draft, 4))
+    check_as_gpu(config, 10)
+    config.parallel_config.cp_kv_cache_interleave_size = 256
+    with pytest.raises(ValueError, match="TRITON_MLA \\(chosen by vLLM\\)"):
+        check_as_gpu(config, 10)

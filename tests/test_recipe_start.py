@@ -309,6 +309,22 @@ AGREEMENT_CASES = [
      f"--attention-config '{SM100_PREFILL}' "
      f"--speculative-config '{_spec(attention_backend='TOKENSPEED_MLA')}'",
      None),
+    # An interleave past the block size vLLM will use (Kimi-K3's 128, its
+    # hybrid alignment), no --block-size and no backend named: the engine
+    # core's KV-cache set-up asserts; the block size the refusal names starts.
+    ("sm90-bf16-i256", 9, "-tp 8 -dcp 8 --cp-kv-cache-interleave-size 256 "
+     f"--speculative-config '{_spec()}'", "Pass --block-size 256"),
+    ("sm90-bf16-i256-bs256", 9, "-tp 8 -dcp 8 --cp-kv-cache-interleave-size 256 "
+     f"--block-size 256 --speculative-config '{_spec()}'", None),
+    ("sm100-fp8-i256", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' --cp-kv-cache-interleave-size 256 "
+     f"--speculative-config '{_spec()}'", "Pass --block-size 256"),
+    ("sm100-fp8-i256-bs256", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"--attention-config '{SM100_PREFILL}' --cp-kv-cache-interleave-size 256 "
+     f"--block-size 256 --speculative-config '{_spec()}'", None),
+    # FLASH_ATTN_MLA is Hopper's: vLLM's selector refuses it on sm100.
+    ("sm100-flash-attn-named", 10, "-tp 8 -dcp 8 --attention-backend FLASH_ATTN_MLA "
+     f"--speculative-config '{_spec()}'", "in --attention-backend"),
     # An MLA backend without DSpark x DCP: vLLM's builder refuses it in the
     # workers, after the weights load.
     ("sm100-cutlass-named", 10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 "
@@ -334,6 +350,11 @@ WORKER_REFUSALS = {
     "sm100-cutlass-named": "does not support causal multi-token MLA attention for "
                            "DSpark with decode context parallelism",
     "sm100-cutlass-named-draft": "non-causal MLA attention with DCP not supported",
+    "sm90-bf16-i256": (AssertionError, "Block_size(128) should be greater than or "
+                       "equal to and divisible by cp_kv_cache_interleave_size (256)"),
+    "sm100-fp8-i256": (AssertionError, "Block_size(128) should be greater than or "
+                       "equal to and divisible by cp_kv_cache_interleave_size (256)"),
+    "sm100-flash-attn-named": "compute capability not supported",
 }
 
 
@@ -368,9 +389,11 @@ def test_start_up_checks_agree_with_model_load(tmp_path, case, shape):
     # (vLLM's DSpark loader runs the config hook again on the draft's).
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
+    refusal = WORKER_REFUSALS[case_id]
+    error, text = refusal if isinstance(refusal, tuple) else (ValueError, refusal)
     with mock.patch.object(dcp_startup_checks, "check_vllm_config",
                            lambda config: None), \
-            pytest.raises(ValueError, match=re.escape(WORKER_REFUSALS[case_id])):
+            pytest.raises(error, match=re.escape(text)):
         rs.start_config(config, major)
 
 

@@ -86,6 +86,20 @@ def as_cuda_gpu(major: int):
 
 
 @contextlib.contextmanager
+def unloading_llvmlite():
+    """Selecting as on a GPU imports FlashInfer's CUDA stack, and with it
+    llvmlite, whose ``ffi.lib`` answers every attribute lookup: vLLM's
+    Triton dispatcher (``register_kernels``) then fails scanning
+    ``sys.modules`` in any later test of this process. Unloads what the
+    block loaded of it (a test module's fixture)."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("llvmlite", "numba"):
+            del sys.modules[name]
+
+
+@contextlib.contextmanager
 def plugin_registered(registered: bool):
     """The plugin's overrides in place (True) or vLLM's own backends (False)."""
     from vllm.v1.attention.backends.mla.dcp_plugin import register

@@ -415,7 +415,12 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
     def get_model(*, vllm_config, model_config=None, **kwargs):
         return initialize_model(vllm_config, model_config=model_config)
 
+    from vllm.model_executor.layers import rotary_embedding
+
+    # vLLM caches each RoPE it builds (``get_rope``): the meta-device ones
+    # built here must not serve a later model of this process.
     with plugin_registered(plugin), on_cuda_host(major) as cuda_platform, \
+            mock.patch.dict(rotary_embedding._ROPE_DICT), \
             mock.patch.dict(os.environ, _ENVIRONMENTS.get(id(config), {})), \
             _worker_rank(cuda_platform, parallel.tensor_parallel_size,
                          parallel.decode_context_parallel_size), \

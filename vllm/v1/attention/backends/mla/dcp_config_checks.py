@@ -1,40 +1,97 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Start-up checks of the DCP x DSpark MLA backends.
+"""What each MLA backend serves under DCP x DSpark, and the problems of a
+``DCPSetting`` against it.
 
-Every unsupported combination of backend, GPU generation, DCP size,
-interleave, KV-cache dtype, query length and head dims is reported at
-start-up as a ``ValueError`` that names the flag to change, never as a wrong
-answer or a crash inside a kernel. ``dcp_startup_checks`` runs these checks
-when vLLM builds its config, before any worker starts; the builders and
-backend selection run them again as a second line.
+Each backend class the plugin registers carries its record,
+``dcp_limits: ClassVar[DCPLimits]`` (one of ``LIMITS``), beside vLLM's own
+hooks on it (``supports_compute_capability``, ``supported_kv_cache_dtypes``,
+``get_supported_kernel_block_sizes``, ``supports_non_causal_dcp``: the
+record repeats their answers under DCP, ``tests/test_dcp_backend_limits.py``
+checks that they agree) and what vLLM has no hook for (interleaves, query
+lengths, head dims, DSpark under DCP). The records live here, not in the
+backend modules, because the start-up checks read them in vLLM's front-end
+process, where importing a backend's kernels would touch the GPU.
+
+``problems`` turns a setting into ``ValueError`` lines naming the flag to
+change; the selection hook (``DCPLimitsSelection``), the builders
+(``raise_if_unsupported``) and the start-up checks (``dcp_startup_checks``)
+all ask it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
 from vllm.v1.attention.backends.mla.dcp_settings import DCPSetting
 
-FLASHINFER_MLA = "FLASHINFER_MLA"
-TOKENSPEED_MLA = "TOKENSPEED_MLA"
-CPU_MLA = "CPU_MLA"
-TRITON_MLA = "TRITON_MLA"
-FLASHMLA = "FLASHMLA"
-FLASH_ATTN_MLA = "FLASH_ATTN_MLA"
+FP8 = ("fp8", "fp8_e4m3")
+UNQUANTIZED = ("auto", "float16", "bfloat16")
+TARGET_FLAG = "--attention-backend"
+DRAFT_FLAG = "attention_backend in --speculative-config"
 
-# MLA latent layout every kernel here is built for (DeepSeek-V3 / Kimi-K3).
-KV_LORA_RANK = 512
-QK_ROPE_HEAD_DIM = 64
-FLASHINFER_QK_NOPE_HEAD_DIMS = (64, 128, 192)
-TOKENSPEED_HEAD_DIMS = (128, 64, 128)  # qk_nope, qk_rope, v
-TOKENSPEED_MAX_QUERY_LEN = 8
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-# The kernels' block sizes (their backends' ``get_supported_kernel_block_sizes``),
-# read off here so that the config-time check need not import the kernels
-# (flashinfer's import queries the GPU, which must not happen in vLLM's
-# front-end process).
-KERNEL_BLOCK_SIZES = {FLASHINFER_MLA: (32, 64), TOKENSPEED_MLA: (32, 64),
-                      FLASHMLA: (64,),
-                      # any multiple of 16: vLLM's default stands (16 or 64)
-                      FLASH_ATTN_MLA: (16, 64)}
+
+@dataclasses.dataclass(frozen=True)
+class DCPLimits:
+    """What one MLA backend serves under DCP x DSpark (``None``: no limit)."""
+
+    name: str
+    gpu_majors: tuple[int, ...] | None  # compute capability majors; None: any
+    kv_cache_dtypes: tuple[str, ...]  # vLLM's ``supported_kv_cache_dtypes``
+    # vLLM's ``get_supported_kernel_block_sizes``: a block size must be a
+    # multiple of one of them.
+    kernel_block_sizes: tuple[int, ...]
+    non_causal: bool = True  # a DSpark draft's block (``supports_non_causal_dcp``)
+    dspark: bool = True  # DSpark's multi-token queries under DCP at all
+    unquantized_on: tuple[int, ...] = ()  # GPU majors where it reads bf16/fp16 only
+    max_query_len: int | None = None  # query tokens per request in one decode
+    latent: tuple[int, int] | None = (512, 64)  # kv_lora_rank, qk_rope_head_dim
+    qk_nope_head_dims: tuple[int, ...] | None = None
+    v_head_dims: tuple[int, ...] | None = None
+    dspark_interleave: int | None = None  # the only one it serves DSpark at
+    fixed_block_size: int | None = None  # set by vLLM's platform (CPU)
+    overridden: bool = True  # registered by the plugin (its selection hook)
+
+    def reads(self, kv_cache_dtype: str, gpu_major: int | None) -> bool:
+        if gpu_major in self.unquantized_on:
+            return kv_cache_dtype in UNQUANTIZED
+        return kv_cache_dtype in self.kv_cache_dtypes
+
+    def pages_by(self, block_size: int) -> bool:
+        if self.fixed_block_size is not None:  # vLLM's CPU_MLA: exactly
+            return block_size == self.fixed_block_size
+        return any(block_size % size == 0 for size in self.kernel_block_sizes)
+
+
+LIMITS = {limits.name: limits for limits in (
+    DCPLimits("FLASHINFER_MLA", (9, 10), UNQUANTIZED + FP8, (32, 64),
+              unquantized_on=(9,), qk_nope_head_dims=(64, 128, 192)),
+    DCPLimits("TOKENSPEED_MLA", (10,), FP8, (32, 64), max_query_len=8,
+              qk_nope_head_dims=(128,), v_head_dims=(128,)),
+    DCPLimits("FLASHMLA", (9,), UNQUANTIZED + FP8, (64,)),
+    DCPLimits("FLASH_ATTN_MLA", (9,), UNQUANTIZED, (16,), non_causal=False,
+              latent=None, dspark_interleave=1),
+    DCPLimits("TRITON_MLA", None, UNQUANTIZED + FP8, (16,), latent=None),
+    DCPLimits("CPU_MLA", None, ("auto",), (16,), fixed_block_size=16),
+    # vLLM's own: its builder refuses DSpark's causal verify under DCP
+    # (``supports_dcp_with_varlen``), its selection the non-causal block.
+    DCPLimits("CUTLASS_MLA", (10,), UNQUANTIZED + FP8, (128,), non_causal=False,
+              dspark=False, latent=None, overridden=False),
+)}
+# vLLM's dense MLA order per GPU generation (``CudaPlatform``'s priorities),
+# up to TRITON_MLA, which serves everywhere.
+MLA_ORDER = {9: ("FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA", "TRITON_MLA"),
+             10: ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CUTLASS_MLA",
+                  "FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA")}
+FALLBACK = "TRITON_MLA"
+FLASHINFER_MLA, TOKENSPEED_MLA, FLASHMLA = "FLASHINFER_MLA", "TOKENSPEED_MLA", "FLASHMLA"
+FLASH_ATTN_MLA, TRITON_MLA, CPU_MLA = "FLASH_ATTN_MLA", "TRITON_MLA", "CPU_MLA"
+
+
+def mla_order(gpu_major: int | None) -> tuple[str, ...]:
+    return MLA_ORDER.get(gpu_major, (FALLBACK,))
 
 
 # vLLM's hybrid alignment (``Platform._align_hybrid_block_size``): an MLA
@@ -44,286 +101,197 @@ KERNEL_BLOCK_SIZES = {FLASHINFER_MLA: (32, 64), TOKENSPEED_MLA: (32, 64),
 HYBRID_MLA_BLOCK_ALIGNMENT = 128
 
 
-def default_block_size(backend: str) -> int:
-    """The block size vLLM gives ``backend`` without --block-size: vLLM's
-    default (16 in 0.32, 64 in 0.34) if the kernel takes it, else the
-    kernel's smallest (vLLM's ``get_preferred_block_size`` rule)."""
-    from vllm.config.cache import CacheConfig
-
-    sizes = KERNEL_BLOCK_SIZES[backend]
-    default = CacheConfig.DEFAULT_BLOCK_SIZE
-    return default if default in sizes else min(sizes)
-
-
-def aligns_hybrid_block_size(vllm_config) -> bool:
-    """Whether vLLM aligns this model's block size for its recurrent-state
-    layers (``HYBRID_MLA_BLOCK_ALIGNMENT``): a hybrid MLA model (GPU platforms;
-    vLLM's CPU platform fixes MLA's block size itself)."""
+def hybrid_aligned(vllm_config, block_size: int | None) -> int | None:
+    """The block size vLLM's hybrid alignment leaves ``block_size`` at for a
+    hybrid MLA model (GPU platforms; vLLM's CPU platform fixes MLA's block
+    size itself); ``block_size`` for any other."""
     model = getattr(vllm_config, "model_config", None)
-    return bool(model is not None and model.use_mla
-                and getattr(model, "is_hybrid", False))
-
-
-def backend_block_size(backend: str, block_size: int | None,
-                       vllm_config=None) -> int:
-    """The block size vLLM pages ``backend`` with, from the ``block_size``
-    its selector passes (``--block-size`` if given, else None: the config
-    then still holds CacheConfig's provisional default, and a worker later
-    gives the backend ``default_block_size``).
-
-    For a hybrid MLA model (``vllm_config``, ``aligns_hybrid_block_size``)
-    the size vLLM's alignment then sets, which is a multiple of the value
-    returned: that, not the provisional or a smaller --block-size, is what
-    the layers are paged with, whatever the selector passed.
-    """
-    if vllm_config is not None and aligns_hybrid_block_size(vllm_config):
-        return hybrid_aligned_block_size(block_size)
-    return default_block_size(backend) if block_size is None else block_size
-
-
-def hybrid_aligned_block_size(block_size: int | None) -> int:
-    """The block size vLLM's hybrid alignment leaves ``block_size`` at."""
-    return max(block_size or 0, HYBRID_MLA_BLOCK_ALIGNMENT)
-
-
-def selection_block_size(block_size: int | None) -> int | None:
-    """The block size a DCP backend's selection judges for the current
-    config: ``backend_block_size``'s under DCP for a hybrid MLA model (the
-    selector passes the provisional 16 of a draft's rebuilt cache config as
-    if given, and None elsewhere), else the selector's own."""
-    from vllm.config import get_current_vllm_config
-
-    from vllm.v1.attention.backends.mla.dcp_compat import current_dcp_size
-
-    vllm_config = get_current_vllm_config()
-    if current_dcp_size() > 1 and aligns_hybrid_block_size(vllm_config):
-        return hybrid_aligned_block_size(block_size)
+    if model is not None and model.use_mla and getattr(model, "is_hybrid", False):
+        return max(block_size or 0, HYBRID_MLA_BLOCK_ALIGNMENT)
     return block_size
 
 
-class PagedBlockSizeSelection:
-    """Mixin for a DCP backend class (first in its bases): vLLM's selection
+def preferred_block_size(backends) -> int:
+    """The block size vLLM's ``update_block_size_for_backend`` gives layers of
+    ``backends`` (names) without --block-size: its default if every one
+    pages by it, else the smallest common multiple of one kernel size each
+    that all page by (``_preferred_block_size_for_backends``)."""
+    from vllm.config.cache import CacheConfig
+
+    limits = [LIMITS[name] for name in backends]
+    candidates = {CacheConfig.DEFAULT_BLOCK_SIZE}
+    if not all(each.pages_by(CacheConfig.DEFAULT_BLOCK_SIZE) for each in limits):
+        candidates = {1}
+        for each in limits:
+            candidates = {math.lcm(c, size) for c in candidates
+                          for size in each.kernel_block_sizes}
+    return min(c for c in candidates if all(each.pages_by(c) for each in limits))
+
+
+def default_block_size(backend: str) -> int:
+    """The block size vLLM gives ``backend`` alone without --block-size."""
+    return preferred_block_size([backend])
+
+
+def backend_block_size(backend: str, block_size: int | None, vllm_config) -> int:
+    """The block size vLLM pages ``backend`` with, from the ``block_size``
+    its selector passes (``--block-size`` if given, else None: a worker later
+    gives the backend ``default_block_size``), hybrid alignment included."""
+    aligned = hybrid_aligned(vllm_config, block_size)
+    return default_block_size(backend) if aligned is None else aligned
+
+
+def _alternatives(s: DCPSetting, exclude: str) -> str:
+    """The backends that run ``s``'s GPU and KV dtype for its model."""
+    names = [name for name, each in ((n, LIMITS[n]) for n in mla_order(s.gpu_major))
+             if name not in (exclude, FALLBACK) and each.overridden
+             and s.gpu_major in (each.gpu_majors or ())
+             and each.reads(s.kv_cache_dtype, s.gpu_major)
+             and (each.non_causal or not s.draft)] or [FALLBACK]
+    return " or ".join(names)
+
+
+def layout_problems(s: DCPSetting, limits: DCPLimits | None = None) -> list[str]:
+    """-dcp against -tp, and the interleave against the block size."""
+    problems = []
+    if s.dcp_size > 1 and s.tensor_parallel_size % s.dcp_size:
+        problems.append(
+            f"--decode-context-parallel-size (-dcp) {s.dcp_size} must divide "
+            f"--tensor-parallel-size (-tp) {s.tensor_parallel_size}: change -dcp "
+            "or -tp.")
+    if s.dcp_size == 1 or s.block_size % s.interleave == 0:
+        return problems
+    if limits is not None and limits.fixed_block_size:
+        divisors = tuple(d for d in range(1, s.block_size + 1)
+                         if s.block_size % d == 0)
+        problems.append(
+            f"--cp-kv-cache-interleave-size {s.interleave} must divide the KV "
+            f"block size, which {limits.name} fixes to {s.block_size} (vLLM "
+            f"overrides --block-size there): use --cp-kv-cache-interleave-size "
+            f"in {divisors}.")
+        return problems
+    sizes = limits.kernel_block_sizes if limits is not None else (64,)
+    works = math.lcm(s.interleave, max(sizes))
+    problems.append(
+        f"--cp-kv-cache-interleave-size {s.interleave} must divide the "
+        f"KV-cache block size, {s.block_size} here: pass --block-size {works} "
+        "(a multiple of the interleave), or a smaller "
+        "--cp-kv-cache-interleave-size.")
+    return problems
+
+
+def problems(limits: DCPLimits, s: DCPSetting, *,
+             kernel_blocks: bool = True) -> list[str]:
+    """Why ``limits``' backend cannot run setting ``s`` (none: []);
+    ``kernel_blocks``: judge ``s.block_size`` against the kernel's (not in a
+    builder, whose group vLLM already paged by them)."""
+    name, flag = limits.name, DRAFT_FLAG if s.draft else TARGET_FLAG
+    found = layout_problems(s, limits)
+    if kernel_blocks and s.dcp_size > 1 and not limits.pages_by(s.block_size):
+        sizes = " or ".join(map(str, limits.kernel_block_sizes))
+        found.append(f"{name} pages the KV cache by {sizes} tokens, not "
+                     f"{s.block_size}: pass --block-size "
+                     f"{math.lcm(s.interleave, max(limits.kernel_block_sizes))}.")
+    if limits.gpu_majors is not None and s.gpu_major not in limits.gpu_majors:
+        gpus = " and ".join(f"sm{major}0" for major in limits.gpu_majors)
+        found.append(f"{name} runs on {gpus} GPUs only under DCP, not compute "
+                     f"capability {s.gpu_major}.x: name "
+                     f"{_alternatives(s, name)} in {flag}.")
+    if not limits.reads(s.kv_cache_dtype, s.gpu_major):
+        where = (f" on sm{s.gpu_major}0" if s.gpu_major in limits.unquantized_on
+                 else "")
+        fix = "auto" if limits.reads("auto", s.gpu_major) else "fp8"
+        what = "a bf16/fp16" if fix == "auto" else "an fp8"
+        found.append(
+            f"{name}{where} reads {what} KV cache only, not {s.kv_cache_dtype}: "
+            f"use --kv-cache-dtype {fix}" + (
+                f', or "kv_cache_dtype": "{fix}" in --speculative-config for '
+                "the draft's layers" if s.draft else "")
+            + f"; or name {_alternatives(s, name)} in {flag}.")
+    dspark = s.speculative_method == "dspark" and s.dcp_size > 1
+    if dspark and not limits.dspark:
+        found.append(
+            f"vLLM's {name} has no DSpark multi-token queries under decode "
+            f"context parallelism (it refuses them in the workers, after the "
+            f"weights load): name {_alternatives(s, name)} in {flag}, leave it "
+            "out for vLLM's choice, or pass -dcp 1.")
+    elif s.draft and dspark and not limits.non_causal:
+        found.append(
+            f"{name} has no non-causal attention for the DSpark draft's block "
+            f"under DCP: name {_alternatives(s, name)} in {flag}, or leave it "
+            "out.")
+    elif (dspark and limits.dspark_interleave is not None
+          and s.interleave != limits.dspark_interleave):
+        found.append(
+            f"{name} serves DSpark under decode context parallelism at "
+            f"--cp-kv-cache-interleave-size {limits.dspark_interleave} only, not "
+            f"{s.interleave}: use --cp-kv-cache-interleave-size "
+            f"{limits.dspark_interleave}, or leave {flag} out (vLLM then picks "
+            "a backend that serves this interleave).")
+    excess = (s.max_decode_query_len - limits.max_query_len
+              if limits.max_query_len is not None else 0)
+    if excess > 0:
+        found.append(
+            f"{name} decodes at most {limits.max_query_len} query tokens per "
+            f"request, this setting needs {s.max_decode_query_len}: set "
+            f"num_speculative_tokens <= {s.num_speculative_tokens - excess} in "
+            "--speculative-config.")
+    for what, got, allowed in (
+            ("a kv_lora_rank + qk_rope_head_dim latent of",
+             (s.kv_lora_rank, s.qk_rope_head_dim), limits.latent and [limits.latent]),
+            ("qk_nope_head_dim in", s.qk_nope_head_dim, limits.qk_nope_head_dims),
+            ("v_head_dim in", s.v_head_dim, limits.v_head_dims)):
+        if allowed and got not in allowed:
+            found.append(f"{name} needs {what} {tuple(allowed)}, the model has "
+                         f"{got}: name another backend in {flag}.")
+    return found
+
+
+def raise_if_unsupported(backend: str, setting: DCPSetting,
+                         chosen_by: str | None = None, **kwargs) -> None:
+    """Raise one ``ValueError`` listing every problem of ``setting`` for
+    ``backend`` (``problems``' ``kwargs``); ``chosen_by``: what picked it (a
+    flag), named in it."""
+    found = problems(LIMITS[backend], setting, **kwargs)
+    if found:
+        chosen = f" (chosen by {chosen_by})" if chosen_by else ""
+        raise ValueError(f"{backend}{chosen} cannot serve this configuration:"
+                         "\n  - " + "\n  - ".join(found))
+
+
+class DCPLimitsSelection:
+    """Mixin for a DCP backend class (first in its bases) with a
+    ``dcp_limits`` record: under DCP vLLM's selection
     (``validate_configuration``) judges the block size the layers will be
-    paged with, ``selection_block_size``: under DCP vLLM's hybrid alignment
-    for Kimi-K3 (KDA layers), not the provisional size a DSpark draft's
-    rebuilt cache config passes."""
+    paged with (for Kimi-K3 the hybrid alignment, not the provisional size a
+    DSpark draft's rebuilt cache config passes) and declines a setting the
+    record does not serve, so that vLLM's order moves on (or a named
+    backend is refused with the record's reasons)."""
+
+    dcp_limits: DCPLimits
 
     @classmethod
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size,
                                *args, **kwargs) -> list[str]:
-        return super().validate_configuration(  # type: ignore[misc]
-            head_size, dtype, kv_cache_dtype, selection_block_size(block_size),
-            *args, **kwargs)
-
-
-def _dcp_divides_tp(s: DCPSetting) -> list[str]:
-    if s.dcp_size > 1 and s.tensor_parallel_size % s.dcp_size:
-        return [
-            f"--decode-context-parallel-size (-dcp) {s.dcp_size} must divide "
-            f"--tensor-parallel-size (-tp) {s.tensor_parallel_size}: change -dcp "
-            "or -tp."]
-    return []
-
-
-def _interleave_divides_block(s: DCPSetting) -> bool:
-    return s.dcp_size == 1 or s.block_size % s.interleave == 0
-
-
-def kernel_block_problems(backend: str, s: DCPSetting) -> list[str]:
-    """The block size a layer is selected at against the backend's kernel
-    block sizes (vLLM's ``supports_block_size``: a multiple of one of them).
-    A start-up check: a builder's group has a block size its backend took."""
-    sizes = KERNEL_BLOCK_SIZES[backend]
-    if s.dcp_size > 1 and all(s.block_size % size for size in sizes):
-        return [f"{backend} pages the KV cache by {' or '.join(map(str, sizes))} "
-                f"tokens, not {s.block_size}: pass --block-size "
-                f"{max(sizes)}."]
-    return []
-
-
-def _layout_problems(s: DCPSetting) -> list[str]:
-    problems = _dcp_divides_tp(s)
-    if not _interleave_divides_block(s):
-        problems.append(
-            f"--cp-kv-cache-interleave-size {s.interleave} must divide "
-            f"the KV-cache block size, {s.block_size} here: pass --block-size "
-            f"a multiple of {s.interleave}, or a smaller "
-            "--cp-kv-cache-interleave-size.")
-    return problems
-
-
-def cpu_problems(s: DCPSetting) -> list[str]:
-    """Why CPU_MLA with DCP cannot run this setting (none: [])."""
-    problems = _dcp_divides_tp(s)
-    if not _interleave_divides_block(s):
-        # vLLM's CPU platform sets MLA's block size, whatever --block-size says.
-        divisors = [d for d in range(1, s.block_size + 1) if s.block_size % d == 0]
-        problems.append(
-            f"--cp-kv-cache-interleave-size {s.interleave} must divide the KV "
-            f"block size, which CPU_MLA fixes to {s.block_size} (vLLM overrides "
-            f"--block-size on CPU): use --cp-kv-cache-interleave-size in "
-            f"{tuple(divisors)}.")
-    if s.kv_cache_dtype != "auto":
-        problems.append(
-            f"CPU_MLA reads an unquantized KV cache, not {s.kv_cache_dtype}: use "
-            "--kv-cache-dtype auto.")
-    if (s.kv_lora_rank, s.qk_rope_head_dim) != (KV_LORA_RANK, QK_ROPE_HEAD_DIM):
-        problems.append(
-            f"CPU_MLA needs a {KV_LORA_RANK} + {QK_ROPE_HEAD_DIM} latent cache, "
-            f"the model has {s.kv_lora_rank} + {s.qk_rope_head_dim}: no CPU "
-            "backend serves it with DCP; drop -dcp.")
-    return problems
-
-
-def flashinfer_problems(s: DCPSetting) -> list[str]:
-    """Why FLASHINFER_MLA with DCP/DSpark cannot run this setting (none: [])."""
-    problems = _layout_problems(s)
-    if s.gpu_major not in (9, 10):
-        problems.append(
-            f"FLASHINFER_MLA runs on sm90 (Hopper) and sm100 (Blackwell) GPUs, "
-            f"not compute capability {s.gpu_major}.x: choose another backend "
-            "with --attention-backend.")
-    if s.gpu_major == 9 and s.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-        problems.append(
-            f"FLASHINFER_MLA on sm90 reads a bf16/fp16 KV cache, not "
-            f"{s.kv_cache_dtype}: use --kv-cache-dtype auto, or keep the draft's "
-            "layers unquantized with \"kv_cache_dtype\": \"auto\" in "
-            "--speculative-config.")
-    if s.qk_nope_head_dim not in FLASHINFER_QK_NOPE_HEAD_DIMS:
-        problems.append(
-            f"FLASHINFER_MLA needs qk_nope_head_dim in "
-            f"{FLASHINFER_QK_NOPE_HEAD_DIMS}, the model has {s.qk_nope_head_dim}: "
-            "choose another backend with --attention-backend.")
-    if (s.kv_lora_rank, s.qk_rope_head_dim) != (KV_LORA_RANK, QK_ROPE_HEAD_DIM):
-        problems.append(
-            f"FLASHINFER_MLA needs a {KV_LORA_RANK} + {QK_ROPE_HEAD_DIM} latent "
-            f"cache, the model has {s.kv_lora_rank} + {s.qk_rope_head_dim}: "
-            "choose another backend with --attention-backend.")
-    return problems
-
-
-def tokenspeed_problems(s: DCPSetting) -> list[str]:
-    """Why TOKENSPEED_MLA with DCP/DSpark cannot run this setting (none: [])."""
-    problems = _layout_problems(s)
-    if s.gpu_major != 10:
-        problems.append(
-            f"TOKENSPEED_MLA runs on sm100 (Blackwell) GPUs only, not compute "
-            f"capability {s.gpu_major}.x: use --attention-backend FLASHINFER_MLA "
-            "on Hopper.")
-    if s.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
-        problems.append(
-            f"TOKENSPEED_MLA reads an fp8 KV cache only, not {s.kv_cache_dtype}: "
-            "use --kv-cache-dtype fp8.")
-    excess = s.max_decode_query_len - TOKENSPEED_MAX_QUERY_LEN
-    if excess > 0:
-        problems.append(
-            f"TOKENSPEED_MLA decodes at most {TOKENSPEED_MAX_QUERY_LEN} query "
-            f"tokens per request, this setting needs {s.max_decode_query_len}: "
-            "set num_speculative_tokens <= "
-            f"{s.num_speculative_tokens - excess} in --speculative-config.")
-    dims = (s.qk_nope_head_dim, s.qk_rope_head_dim, s.v_head_dim)
-    if dims != TOKENSPEED_HEAD_DIMS or s.kv_lora_rank != KV_LORA_RANK:
-        problems.append(
-            f"TOKENSPEED_MLA needs (qk_nope, qk_rope, v) head dims "
-            f"{TOKENSPEED_HEAD_DIMS} and kv_lora_rank {KV_LORA_RANK}, the model "
-            f"has {dims} and {s.kv_lora_rank}: choose another backend with "
-            "--attention-backend.")
-    return problems
-
-
-def flashmla_problems(s: DCPSetting) -> list[str]:
-    """Why FLASHMLA with DCP/DSpark cannot run this setting (none: []).
-
-    vLLM's FlashMLA dense decode: Hopper, a 512 + 64 latent, pages of 64, bf16
-    or fp8 KV (vLLM's own checks); here the DCP layout and the GPU."""
-    problems = _layout_problems(s)
-    if s.gpu_major != 9:
-        problems.append(
-            f"FLASHMLA's dense decode runs on sm90 (Hopper) GPUs only, not "
-            f"compute capability {s.gpu_major}.x: choose another backend with "
-            "--attention-backend.")
-    if (s.kv_lora_rank, s.qk_rope_head_dim) != (KV_LORA_RANK, QK_ROPE_HEAD_DIM):
-        problems.append(
-            f"FLASHMLA needs a {KV_LORA_RANK} + {QK_ROPE_HEAD_DIM} latent cache, "
-            f"the model has {s.kv_lora_rank} + {s.qk_rope_head_dim}: choose "
-            "another backend with --attention-backend.")
-    return problems
-
-
-def triton_problems(s: DCPSetting) -> list[str]:
-    """Why TRITON_MLA with DCP/DSpark cannot run this setting (none: []).
-
-    Only the DCP layout: vLLM's kernel takes any head dims, block size
-    (multiple of 16, vLLM's own check) and its KV-cache dtypes on every GPU
-    it selects it for."""
-    return _layout_problems(s)
-
-
-def flashattn_dspark_problem(s: DCPSetting) -> str | None:
-    """Why vLLM's FLASH_ATTN_MLA builder refuses this setting at model load:
-    it serves DSpark's multi-token queries under DCP at interleave 1 only
-    (``supports_dcp_with_varlen=(interleave_size == 1)``)."""
-    if s.dcp_size > 1 and s.interleave > 1 and s.speculative_method == "dspark":
-        return (
-            f"FLASH_ATTN_MLA serves DSpark under decode context parallelism at "
-            f"--cp-kv-cache-interleave-size 1 only, not {s.interleave}: use "
-            "--cp-kv-cache-interleave-size 1, or leave --attention-backend "
-            "out (vLLM then picks a backend that serves this interleave).")
-    return None
-
-
-def flashattn_problems(s: DCPSetting) -> list[str]:
-    """Why vLLM's FLASH_ATTN_MLA, named, cannot run this DCP setting (none:
-    []): what its selector check and builder refuse at model load."""
-    problems = _layout_problems(s)
-    if s.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
-        problems.append(
-            f"FLASH_ATTN_MLA reads a bf16/fp16 KV cache, not {s.kv_cache_dtype}: "
-            "use --kv-cache-dtype auto, or leave the backend out (vLLM picks "
-            "FLASHMLA for fp8 on Hopper).")
-    if s.draft:
-        problems.append(
-            "FLASH_ATTN_MLA has no non-causal attention for the DSpark draft's "
-            "block: drop attention_backend from --speculative-config (or name "
-            "FLASHINFER_MLA there).")
-    elif (problem := flashattn_dspark_problem(s)) is not None:
-        problems.append(problem)
-    return problems
-
-
-PROBLEMS = {FLASHINFER_MLA: flashinfer_problems, TOKENSPEED_MLA: tokenspeed_problems,
-            CPU_MLA: cpu_problems, TRITON_MLA: triton_problems,
-            FLASHMLA: flashmla_problems, FLASH_ATTN_MLA: flashattn_problems}
-# The CUDA backends the start-up checks judge when a flag names them.
-NAMED_CUDA_BACKENDS = (FLASHINFER_MLA, TOKENSPEED_MLA, FLASHMLA, FLASH_ATTN_MLA)
-
-
-def raise_if_unsupported(backend: str, setting: DCPSetting,
-                         chosen_by: str | None = None, *,
-                         kernel_blocks: bool = False) -> None:
-    """Raise one ``ValueError`` listing every problem of ``setting``.
-
-    ``chosen_by``: what picked ``backend`` (a flag), named in the message;
-    ``kernel_blocks``: also judge the block size against the kernel's
-    (``kernel_block_problems``).
-    """
-    problems = PROBLEMS[backend](setting)
-    if kernel_blocks and backend in KERNEL_BLOCK_SIZES:
-        problems += kernel_block_problems(backend, setting)
-    if problems:
-        chosen = f" (chosen by {chosen_by})" if chosen_by else ""
-        raise ValueError(
-            f"{backend}{chosen} cannot serve this configuration:\n  - "
-            + "\n  - ".join(problems))
-
-
-def raise_if_layout_unsupported(setting: DCPSetting) -> None:
-    """Raise a ``ValueError`` if no backend can lay out this DCP setting."""
-    problems = _layout_problems(setting)
-    if problems:
-        raise ValueError(
-            "decode context parallelism cannot run this configuration:\n  - "
-            + "\n  - ".join(problems))
+        vllm_config = get_current_vllm_config()
+        if current_dcp_size() > 1:
+            block_size = hybrid_aligned(vllm_config, block_size)
+        reasons = super().validate_configuration(  # type: ignore[misc]
+            head_size, dtype, kv_cache_dtype, block_size, *args, **kwargs)
+        capability = kwargs.get("device_capability")
+        if (current_dcp_size() == 1 or vllm_config.model_config is None
+                or capability is None):
+            return reasons
+        draft = bool(kwargs.get("use_non_causal")) or getattr(
+            vllm_config.attention_config, "use_non_causal", False)
+        setting = DCPSetting.from_vllm_config(vllm_config, capability.major,
+                                              draft=draft)
+        setting = dataclasses.replace(
+            setting, block_size=backend_block_size(cls.dcp_limits.name, block_size,
+                                                   vllm_config),
+            kv_cache_dtype=(setting.kv_cache_dtype if kv_cache_dtype is None
+                            else str(kv_cache_dtype)))
+        return reasons + problems(cls.dcp_limits, setting)
 
 
 def current_gpu_major() -> int | None:

@@ -144,7 +144,8 @@ class DCPDecodeBuilderMixin:
                         self.dcp_backend,
                         setting if draft == setting.draft else
                         DCPSetting.for_builder(self, layer_names, gpu_major,
-                                               rank, draft=draft))
+                                               rank, draft=draft),
+                        kernel_blocks=False)
             self.dcp_setting = setting
             self._dcp_rows = dcp_decode.alloc_flat_decode(
                 setting.row_capacity, setting.block_table_width, self.device)

@@ -26,7 +26,6 @@ selectable then (as upstream), on sm100 the builder and kernels are upstream's.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import torch
@@ -209,8 +208,10 @@ class FlashInferDCPMLAImpl(DCPRowsImplMixin, FlashInferMLAImpl):
         return out.view(num_rows, q.shape[1], -1), lse.view(num_rows, q.shape[1])
 
 
-class FlashInferDCPMLABackend(checks.PagedBlockSizeSelection, FlashInferMLABackend):
+class FlashInferDCPMLABackend(checks.DCPLimitsSelection, FlashInferMLABackend):
     """``FLASHINFER_MLA`` with DCP x DSpark rows; sm90 and sm100."""
+
+    dcp_limits: ClassVar[checks.DCPLimits] = checks.LIMITS["FLASHINFER_MLA"]
 
     @staticmethod
     def get_impl_cls() -> type[FlashInferDCPMLAImpl]:
@@ -234,28 +235,3 @@ class FlashInferDCPMLABackend(checks.PagedBlockSizeSelection, FlashInferMLABacke
         if capability.major == 9:
             return current_dcp_size() > 1
         return super().supports_compute_capability(capability)
-
-    @classmethod
-    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size,
-                             use_mla, has_sink, use_sparse, use_mm_prefix,
-                             device_capability) -> str | None:
-        from vllm.config import get_current_vllm_config
-
-        vllm_config = get_current_vllm_config()
-        if vllm_config.model_config is not None and current_dcp_size() > 1:
-            # The config's block size is still provisional during selection,
-            # and the layer's KV dtype is its own (--kv-cache-dtype-skip-layers).
-            setting = checks.DCPSetting.from_vllm_config(
-                vllm_config, device_capability.major)
-            setting = dataclasses.replace(
-                setting,
-                block_size=checks.backend_block_size(checks.FLASHINFER_MLA,
-                                                     block_size, vllm_config),
-                kv_cache_dtype=(setting.kv_cache_dtype if kv_cache_dtype is None
-                                else str(kv_cache_dtype)))
-            problems = checks.flashinfer_problems(setting)
-            if problems:
-                return problems[0]
-        return super().supports_combination(
-            head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
-            use_sparse, use_mm_prefix, device_capability)

@@ -167,8 +167,10 @@ class FlashMLADCPImpl(DCPRowsImplMixin, FlashMLAImpl):
         return out, (lse if self.need_to_return_lse_for_decode else None)
 
 
-class FlashMLADCPBackend(checks.PagedBlockSizeSelection, FlashMLABackend):
+class FlashMLADCPBackend(checks.DCPLimitsSelection, FlashMLABackend):
     """``FLASHMLA`` with DCP x DSpark rows (sm90)."""
+
+    dcp_limits: ClassVar[checks.DCPLimits] = checks.LIMITS["FLASHMLA"]
 
     @staticmethod
     def get_impl_cls() -> type[FlashMLADCPImpl]:

@@ -19,6 +19,8 @@ builder is made, skip their own per-layer mask (``dcp_epilogue``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
@@ -123,8 +125,10 @@ class TokenspeedDCPMLAImpl(DCPRowsImplMixin, TokenspeedMLAImpl):
         return finish_rows_decode(self, out, lse, decode.flat)
 
 
-class TokenspeedDCPMLABackend(checks.PagedBlockSizeSelection, TokenspeedMLABackend):
+class TokenspeedDCPMLABackend(checks.DCPLimitsSelection, TokenspeedMLABackend):
     """``TOKENSPEED_MLA`` reading the per-forward DCP metadata; sm100 only."""
+
+    dcp_limits: ClassVar[checks.DCPLimits] = checks.LIMITS["TOKENSPEED_MLA"]
 
     @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:

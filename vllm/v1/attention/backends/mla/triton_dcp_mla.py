@@ -156,6 +156,8 @@ class TritonDCPMLAImpl(DCPRowsImplMixin, TritonMLAImpl):
 class TritonDCPMLABackend(TritonMLABackend):
     """``TRITON_MLA`` with DCP x DSpark rows."""
 
+    dcp_limits: ClassVar[checks.DCPLimits] = checks.LIMITS["TRITON_MLA"]
+
     @staticmethod
     def get_impl_cls() -> type[TritonDCPMLAImpl]:
         return TritonDCPMLAImpl
