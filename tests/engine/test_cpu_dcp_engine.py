@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.greedy_run import run_engine
+from tests.support.greedy_run import greedy_result, run_engine
 from tests.support.tiny_mla import build_tiny_mla_checkpoint, hf_greedy
 
 HERE = Path(__file__).resolve().parent
@@ -70,28 +68,20 @@ def engine_env(tp: int) -> dict[str, str]:
     return env
 
 
-def launch(model_dir, prompts_file, *, tp=1, dcp=1, interleave=1, ngram=0,
-           timeout=ENGINE_TIMEOUT_S) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(HERE.parent / "support" / "greedy_run.py"),
-           "--model", str(model_dir),
-           "--prompts-json", str(prompts_file), "--tp", str(tp), "--dcp", str(dcp),
-           "--interleave", str(interleave), "--max-tokens", str(MAX_TOKENS),
-           "--ngram", str(ngram)]
-    return run_engine(cmd, env=engine_env(tp), timeout=timeout, cwd=HERE)
+def command(model_dir, prompts_file, *, tp=1, dcp=1, interleave=1, ngram=0):
+    return [sys.executable, str(HERE.parent / "support" / "greedy_run.py"),
+            "--model", str(model_dir),
+            "--prompts-json", str(prompts_file), "--tp", str(tp), "--dcp", str(dcp),
+            "--interleave", str(interleave), "--max-tokens", str(MAX_TOKENS),
+            "--ngram", str(ngram)]
 
 
 def generate(model_dir, prompts_file, **config) -> dict:
     key = tuple(sorted(config.items()))
     if key not in _RUNS:
-        start = time.perf_counter()
-        proc = launch(model_dir, prompts_file, **config)
-        lines = [line for line in proc.stdout.splitlines()
-                 if line.startswith('{"tokens"')]
-        assert proc.returncode == 0 and lines, (
-            f"engine {config} failed (rc {proc.returncode}):\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-        result = json.loads(lines[-1])
-        result["wall_s"] = round(time.perf_counter() - start, 1)
+        result = greedy_result(command(model_dir, prompts_file, **config),
+                               env=engine_env(config.get("tp", 1)),
+                               timeout=ENGINE_TIMEOUT_S, cwd=HERE, label=config)
         print(f"\nengine {config}: wall {result['wall_s']} s "
               f"(load {result['load_s']} s, generate {result['generate_s']} s)")
         _RUNS[key] = result
@@ -157,7 +147,8 @@ def test_tp1_dcp2_and_transformers_agree(model_dir, prompts_file):
 def test_unsupported_interleave_fails_at_startup(model_dir, prompts_file):
     """An interleave that does not divide the block size (16) is refused while
     vLLM builds its config, before the model loads, naming the flag."""
-    proc = launch(model_dir, prompts_file, tp=2, dcp=2, interleave=3, timeout=180)
+    proc = run_engine(command(model_dir, prompts_file, tp=2, dcp=2, interleave=3),
+                      env=engine_env(2), timeout=180, cwd=HERE)
     assert proc.returncode != 0
     assert '{"tokens"' not in proc.stdout
     output = proc.stdout + proc.stderr

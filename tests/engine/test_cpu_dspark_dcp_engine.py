@@ -34,13 +34,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.greedy_run import run_engine
+from tests.support.greedy_run import greedy_result
 from tests.support.tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
 from tests.support.tiny_mla import build_tiny_mla_checkpoint
 
@@ -92,16 +91,8 @@ def generate(workdir: Path, *, tp=1, dcp=1, interleave=1, draft=None) -> dict:
     if draft is not None:
         cmd += ["--draft", str(draft)]
         env["VLLM_DCP_CPU_MRV2"] = "1"
-    start = time.perf_counter()
-    proc = run_engine(cmd, env=env, timeout=ENGINE_TIMEOUT_S, cwd=HERE)
-    lines = [line for line in proc.stdout.splitlines()
-             if line.startswith('{"tokens"')]
-    assert proc.returncode == 0 and lines, (
-        f"engine {key} failed (rc {proc.returncode}):\n"
-        f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    result = json.loads(lines[-1])
-    result["wall_s"] = round(time.perf_counter() - start, 1)
-    result["log"] = proc.stdout + proc.stderr
+    result = greedy_result(cmd, env=env, timeout=ENGINE_TIMEOUT_S, cwd=HERE,
+                           label=key)
     spec = result["spec"]
     print(f"\nengine tp={tp} dcp={dcp} I={interleave} draft={draft is not None}: "
           f"wall {result['wall_s']} s (load {result['load_s']} s, generate "

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.engine.test_cpu_dcp_engine import engine_env
-from tests.support.greedy_run import run_engine
+from tests.support.greedy_run import greedy_result
 from tests.support.tiny_mla import build_tiny_mla_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -74,15 +73,9 @@ def runs(tmp_path_factory) -> dict[str, dict]:
                "--model", str(model), "--prompts-json", str(work / "first.json"),
                "--second-wave-json", str(work / "second.json"),
                "--max-tokens", str(MAX_TOKENS), *flags]
-        start = time.perf_counter()
-        proc = run_engine(cmd, env=engine_env(2), timeout=ENGINE_TIMEOUT_S, cwd=HERE)
-        lines = [line for line in proc.stdout.splitlines()
-                 if line.startswith('{"tokens"')]
-        assert proc.returncode == 0 and lines, (
-            f"engine {name} failed (rc {proc.returncode}):\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-        results[name] = json.loads(lines[-1])
-        print(f"\nengine {name}: wall {time.perf_counter() - start:.1f} s, "
+        results[name] = greedy_result(cmd, env=engine_env(2), timeout=ENGINE_TIMEOUT_S,
+                                      cwd=HERE, label=name)
+        print(f"\nengine {name}: wall {results[name]['wall_s']} s, "
               f"{results[name]['features']}, {results[name]['counters']}")
     return results
 

@@ -53,7 +53,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.greedy_run import cpu_engine_env, run_engine
+from tests.support.greedy_run import cpu_engine_env, greedy_result
 from tests.support.step_log_scheduler import (QUALNAME, STEP_LOG_ENV, read_steps,
                                               step_events, verify_outcomes)
 from tests.support.tiny_dspark import bigram_successors, build_tiny_dspark_checkpoint
@@ -152,16 +152,8 @@ def generate(workdir: Path, name: str, *, tp=2, dcp=1, interleave=1, draft=None,
         cmd += ["--prompts-json", str(workdir / "prompts.json"), "--features-off"]
     if draft is not None:
         cmd += ["--draft", str(draft)]
-    start = time.perf_counter()
-    proc = run_engine(cmd, env=engine_env(tp, dspark=draft is not None),
-                      timeout=ENGINE_TIMEOUT_S, cwd=HERE)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
-    assert proc.returncode == 0 and lines, (
-        f"engine {name} failed (rc {proc.returncode}):\n"
-        f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    result = json.loads(lines[-1])
-    result["wall_s"] = round(time.perf_counter() - start, 1)
-    result["log"] = proc.stdout + proc.stderr
+    result = greedy_result(cmd, env=engine_env(tp, dspark=draft is not None),
+                           timeout=ENGINE_TIMEOUT_S, cwd=HERE, label=name)
     if step_log is not None:
         result["steps"] = read_steps(step_log)
         result["events"] = step_events(result["steps"])

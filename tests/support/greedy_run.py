@@ -77,6 +77,25 @@ def run_engine(cmd: list[str], *, env: dict[str, str], timeout: float,
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def greedy_result(cmd: list[str], *, env: dict[str, str], timeout: float, cwd,
+                  label) -> dict:
+    """Run one engine script (``run_engine``) and return the JSON object of its
+    last ``{"tokens"`` line, with ``wall_s`` (seconds, the whole process) and
+    ``log`` (its stdout and stderr) added; fails naming ``label`` and the
+    output's tail when the engine exits non-zero or prints no result."""
+    start = time.perf_counter()
+    proc = run_engine(cmd, env=env, timeout=timeout, cwd=cwd)
+    lines = [line for line in proc.stdout.splitlines()
+             if line.startswith('{"tokens"')]
+    assert proc.returncode == 0 and lines, (
+        f"engine {label} failed (rc {proc.returncode}):\n"
+        f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    result = json.loads(lines[-1])
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    result["log"] = proc.stdout + proc.stderr
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
