@@ -364,3 +364,54 @@ def test_without_the_gathers_vllm_turns_them_off(tiny_mla, monkeypatch):
     assert not config.cache_config.enable_prefix_caching
     assert not config.scheduler_config.enable_chunked_prefill
     assert config.scheduler_config.max_num_batched_tokens >= 512
+
+
+@pytest.fixture(scope="module")
+def tiny_sparse_mla(tmp_path_factory):
+    """The tiny model with a DeepSeek-V3.2-style indexer (``index_topk``):
+    vLLM builds its MLA layers sparse, which CPU_MLA does not run."""
+    import json
+
+    from tests.support.tiny_mla import build_tiny_mla_checkpoint
+
+    path = build_tiny_mla_checkpoint(tmp_path_factory.mktemp("tiny-sparse-mla"))
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(index_topk=64, index_n_heads=4, index_head_dim=64)
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+def test_sparse_mla_keeps_vllms_choice(tiny_sparse_mla):
+    config = cpu_config(tiny_sparse_mla)
+    assert config.model_config.use_mla
+    assert not config.cache_config.enable_prefix_caching
+    assert not config.scheduler_config.enable_chunked_prefill
+
+
+def test_mla_without_kv_lora_rank_keeps_vllms_choice(tiny_mla, monkeypatch):
+    """A ``use_mla`` model without ``kv_lora_rank`` (DeepSeek-V4-style
+    configs: ``head_dim`` and ``compress_ratios``): the hook raises nothing
+    and the CPU platform's choice stands."""
+    monkeypatch.setattr(cpu_mla_prefill_context, "context_gathers_present",
+                        lambda: False)
+    config = cpu_config(tiny_mla, max_num_batched_tokens=None)
+    monkeypatch.undo()
+    assert cpu_mla_prefill_context.context_gathers_present()
+
+    class WithoutKvLoraRank:
+        def __init__(self, hf):
+            self._hf = hf
+
+        def __getattr__(self, name):
+            if name == "kv_lora_rank":
+                raise AttributeError(name)
+            return getattr(self._hf, name)
+
+    monkeypatch.setattr(config.model_config, "hf_text_config",
+                        WithoutKvLoraRank(config.model_config.hf_text_config))
+    assert config.model_config.use_mla
+    cpu_mla_prefill_context.keep_features_on(config, (True, True, 32))
+    assert not config.cache_config.enable_prefix_caching
+    assert not config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.max_num_batched_tokens >= 512

@@ -365,3 +365,43 @@ def _outcomes(records: _Records) -> dict[str, bool]:
 
 if __name__ == "__main__":
     print(json.dumps(_load_plugins_and_report(*sys.argv[1].split(":"))))
+
+
+# The two wrappers of the platform's config hook: each once, however often
+# and in whichever order the plugin's touches are installed.
+
+@pytest.mark.parametrize("order", ["startup_checks_first", "features_first"])
+def test_config_hook_wrappers_install_once(order):
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla import (
+        cpu_mla_prefill_context,
+        dcp_startup_checks,
+    )
+
+    calls = []
+
+    def stock(cls, vllm_config) -> None:
+        """vLLM's hook, stood in."""
+        calls.append("stock")
+
+    installs = [dcp_startup_checks.install,
+                cpu_mla_prefill_context.install_features_kept_on]
+    if order == "features_first":
+        installs.reverse()
+    platform_cls = type(current_platform)
+    with mock.patch.object(platform_cls, "check_and_update_config",
+                           classmethod(stock)), \
+            mock.patch.object(dcp_startup_checks, "check_vllm_config",
+                              lambda config: calls.append("checks")), \
+            mock.patch.object(cpu_mla_prefill_context, "keep_features_on",
+                              lambda config, before: calls.append("features")):
+        for install in installs + installs:
+            install()
+        platform_cls.check_and_update_config(mock.MagicMock())
+        assert sorted(calls) == ["checks", "features", "stock"]
+        assert dcp_startup_checks.hook_installed(
+            platform_cls, dcp_startup_checks._MARK)
+        assert dcp_startup_checks.hook_installed(
+            platform_cls, cpu_mla_prefill_context._MARK)
+    assert not dcp_startup_checks.hook_installed(
+        platform_cls, "_no_such_mark")

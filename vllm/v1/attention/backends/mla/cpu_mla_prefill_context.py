@@ -23,7 +23,8 @@ Two touches of ``dcp_vllm_touches``, on CPU only:
   and prefix caching off for every MLA model without AMX tiles ("MLA is
   enabled on a non-GPU platform; forcing chunked prefill and prefix caching
   to be disabled"), also when the flags ask for them. Where the gathers are
-  registered and the model's layers run ``CPU_MLA``, the platform hook is
+  registered and the model's layers are dense latent MLA (a
+  ``kv_lora_rank``, no sparse indexer) running ``CPU_MLA``, the platform hook is
   followed by putting back what the engine arguments had set (both flags and
   the token budget the platform raised to the model length), at every
   ``-dcp``: ``--no-enable-prefix-caching`` / ``--no-enable-chunked-prefill``
@@ -84,15 +85,26 @@ def install_context_gathers() -> bool:
 
 
 def _serves_context(vllm_config) -> bool:
-    """Whether this config's MLA layers run ``CPU_MLA`` with the gathers."""
+    """Whether this config's MLA layers are dense latent MLA running
+    ``CPU_MLA`` with the gathers. Never raises: a model this patch does
+    not serve (no ``kv_lora_rank``, sparse MLA) or a probe that fails
+    leaves the CPU platform's choice."""
     from vllm.v1.attention.backends.mla.dcp_startup_checks import (
         _cpu_mla_backend,
+        dense_mla_latent,
     )
 
-    if not context_gathers_present():
+    if (dense_mla_latent(vllm_config.model_config) is None
+            or not context_gathers_present()):
         return False
-    backend = vllm_config.attention_config.backend
-    return _cpu_mla_backend(vllm_config, backend) == "CPU_MLA"
+    try:
+        backend = _cpu_mla_backend(vllm_config,
+                                   vllm_config.attention_config.backend)
+    except Exception as error:  # vLLM's own start reports it, not this hook
+        logger.debug("MLA prefill features left off: the backend probe "
+                     "failed (%s)", error)
+        return False
+    return backend == "CPU_MLA"
 
 
 def keep_features_on(vllm_config, before: tuple[bool, bool, int]) -> None:
@@ -121,11 +133,15 @@ def install_features_kept_on() -> bool:
     """Follow the CPU platform's config hook with ``keep_features_on``."""
     from vllm.platforms import current_platform
 
+    from vllm.v1.attention.backends.mla.dcp_startup_checks import (
+        hook_installed,
+        mark_hook,
+    )
+
     platform_cls = type(current_platform)
-    upstream = platform_cls.check_and_update_config
-    if getattr(upstream, _MARK, False):
+    if hook_installed(platform_cls, _MARK):
         return True
-    upstream_func = upstream.__func__
+    upstream_func = platform_cls.check_and_update_config.__func__
 
     def check_and_update_config(cls, vllm_config) -> None:
         before = (vllm_config.scheduler_config.enable_chunked_prefill,
@@ -134,7 +150,6 @@ def install_features_kept_on() -> bool:
         upstream_func(cls, vllm_config)
         keep_features_on(vllm_config, before)
 
-    setattr(check_and_update_config, _MARK, True)
-    check_and_update_config.__doc__ = upstream_func.__doc__
+    mark_hook(check_and_update_config, upstream_func, _MARK)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
     return True

@@ -208,21 +208,46 @@ def _check_cpu(vllm_config) -> None:
             chosen_by=chosen_by)
 
 
+def _sparse_mla(hf_config) -> bool:
+    """Whether vLLM builds this model's MLA layers sparse (an indexer's
+    ``index_topk``; DeepSeek-V4's ``compress_ratios``)."""
+    return any(hasattr(hf_config, marker)
+               for marker in ("index_topk", "compress_ratios"))
+
+
+def dense_mla_latent(model_config) -> tuple[int, int] | None:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of a dense MLA model; None where
+    its layers are not dense latent MLA: no ``kv_lora_rank`` (DeepSeek-V4
+    style configs are ``use_mla`` with ``head_dim`` and ``compress_ratios``
+    instead) or sparse MLA (an ``index_topk`` indexer, DeepSeek-V3.2 style,
+    whose layers vLLM selects with ``use_sparse``)."""
+    hf = getattr(model_config, "hf_text_config", None)
+    rank = getattr(hf, "kv_lora_rank", None)
+    rope = getattr(hf, "qk_rope_head_dim", None)
+    if rank is None or rope is None or _sparse_mla(hf):
+        return None
+    return rank, rope
+
+
 def _cpu_mla_backend(vllm_config, backend) -> str:
     """The MLA backend vLLM's own selector picks on this CPU (by name) for
-    layers configured with ``backend`` (None: vLLM's choice)."""
+    layers configured with ``backend`` (None: vLLM's choice); a model that
+    is not dense latent MLA is asked for as vLLM's layers ask (its head
+    size, ``use_sparse``), so vLLM's own answer (or refusal) stands."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.selector import get_attn_backend
 
-    hf = vllm_config.model_config.hf_text_config
+    model = vllm_config.model_config
+    latent = dense_mla_latent(model)
+    head_size = sum(latent) if latent is not None else model.get_head_size()
     attention = vllm_config.attention_config
     saved, attention.backend = attention.backend, backend
     try:
         with set_current_vllm_config(vllm_config):
             backend_cls = get_attn_backend(
-                hf.kv_lora_rank + hf.qk_rope_head_dim,
-                vllm_config.model_config.dtype,
-                vllm_config.cache_config.cache_dtype, use_mla=True)
+                head_size, model.dtype,
+                vllm_config.cache_config.cache_dtype, use_mla=True,
+                use_sparse=_sparse_mla(model.hf_text_config))
     finally:
         attention.backend = saved
     return backend_cls.get_name()
@@ -286,15 +311,35 @@ def install() -> None:
     from vllm.platforms import current_platform
 
     platform_cls = type(current_platform)
-    upstream = platform_cls.check_and_update_config
-    if getattr(upstream, _MARK, False):
+    if hook_installed(platform_cls, _MARK):
         return
-    upstream_func = upstream.__func__
+    upstream_func = platform_cls.check_and_update_config.__func__
 
     def check_and_update_config(cls, vllm_config) -> None:
         upstream_func(cls, vllm_config)
         check_vllm_config(vllm_config)
 
-    setattr(check_and_update_config, _MARK, True)
-    check_and_update_config.__doc__ = upstream_func.__doc__
+    mark_hook(check_and_update_config, upstream_func, _MARK)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+
+def hook_installed(platform_cls, mark: str) -> bool:
+    """Whether a wrapper marked ``mark`` is anywhere in the chain of the
+    platform's ``check_and_update_config`` (each wrapper's ``__wrapped__``
+    is the function it wraps), whichever wrapper was installed last."""
+    func = platform_cls.check_and_update_config.__func__
+    seen = set()
+    while func is not None and id(func) not in seen:
+        if getattr(func, mark, False):
+            return True
+        seen.add(id(func))
+        func = getattr(func, "__wrapped__", None)
+    return False
+
+
+def mark_hook(wrapper, upstream_func, mark: str) -> None:
+    """Mark a ``check_and_update_config`` wrapper, link it to the function
+    it wraps (``__wrapped__``) and give it that function's doc."""
+    setattr(wrapper, mark, True)
+    wrapper.__wrapped__ = upstream_func
+    wrapper.__doc__ = upstream_func.__doc__

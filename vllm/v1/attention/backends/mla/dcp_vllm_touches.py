@@ -224,8 +224,9 @@ TOUCHES: tuple[Touch, ...] = (
         target="vllm.platforms.current_platform.check_and_update_config",
         change=REPLACES,
         what="after the CPU platform's hook: chunked prefill, prefix caching "
-             "and the token budget as the engine arguments set them, for MLA "
-             "layers on CPU_MLA with the context gathers",
+             "and the token budget as the engine arguments set them, for dense "
+             "MLA layers (kv_lora_rank, not sparse) on CPU_MLA with the context "
+             "gathers",
         installed_by=PLUGIN, applies=_on_cpu,
         install=f"{_CPU_CONTEXT}:install_features_kept_on"),
     Touch(
