@@ -7,7 +7,7 @@ the engine-core process; the log's path comes from the environment variable
 ``STEP_LOG_PATH`` (the repository root must be on ``PYTHONPATH`` there).
 One JSON object per step that scheduled any token::
 
-    {"step": 12, "preempted": ["3"],
+    {"step": 12, "preempted": ["3"], "budget": 64,
      "reqs": [{"id": "0", "prompt": 130, "computed": 48, "scheduled": 32,
                "drafts": 0, "spec": 0}, ...]}
 
@@ -16,7 +16,9 @@ request, the prefix-cache hit); ``scheduled``: tokens scheduled now
 (vLLM's ``num_scheduled_tokens``); ``drafts``: speculative tokens the
 request held when the step was scheduled; ``spec``: how many of them the
 step verifies (``scheduled_spec_decode_tokens``; fewer than ``drafts`` when
-the token budget cut the block). Requests finished from outside the
+the token budget cut the block, or for another reason such as the model
+length); ``budget``: the step's token budget (the scheduler's
+``max_num_scheduled_tokens``, ``--max-num-batched-tokens``). Requests finished from outside the
 scheduler (a client's abort) add ``{"aborted": {"<id>": <tokens generated>}}``.
 ``step_events`` reads the file back and names what happened (chunks,
 chunks beside verify blocks, cut blocks, prefix hits, preemptions, aborts).
@@ -61,7 +63,8 @@ class StepLogScheduler(Scheduler):
                  "spec": len(output.scheduled_spec_decode_tokens.get(req_id, ()))}
                 for req_id, num_tokens in output.num_scheduled_tokens.items()]
         record = {"step": self._step, "reqs": reqs,
-                  "preempted": sorted(output.preempted_req_ids or ())}
+                  "preempted": sorted(output.preempted_req_ids or ()),
+                  "budget": self.max_num_scheduled_tokens}
         self._step_log.write(json.dumps(record) + "\n")
         return output
 
@@ -84,7 +87,8 @@ def step_events(steps: list[dict]) -> dict[str, int]:
     ``chunks``: prefill pieces that left part of the prompt for a later step;
     ``chunks_beside_verify``: steps holding such a piece and a verify block;
     ``cut_blocks``: verify blocks scheduled with fewer drafts than the
-    request held; ``prefix_hits``: requests first scheduled with cached
+    request held, in a step whose scheduled tokens reach its token budget
+    (the budget cut them); ``prefix_hits``: requests first scheduled with cached
     tokens; ``preemptions``: requests preempted (recompute); ``aborted``:
     requests aborted from outside (a client gone) after generating at least
     one token."""
@@ -99,6 +103,8 @@ def step_events(steps: list[dict]) -> dict[str, int]:
         events["steps"] += 1
         events["preemptions"] += len(step["preempted"])
         chunk = verify = False
+        full = sum(req["scheduled"] for req in step["reqs"]) >= step.get(
+            "budget", float("inf"))
         for req in step["reqs"]:
             if req["computed"] + req["scheduled"] < req["prompt"]:
                 events["chunks"] += 1
@@ -106,7 +112,7 @@ def step_events(steps: list[dict]) -> dict[str, int]:
             if req["spec"]:
                 events["verify_blocks"] += 1
                 verify = True
-            if req["drafts"] and req["spec"] < req["drafts"]:
+            if full and req["drafts"] and req["spec"] < req["drafts"]:
                 events["cut_blocks"] += 1
             if req["id"] not in seen:
                 seen.add(req["id"])
