@@ -7,7 +7,7 @@ the engine-core process; the log's path comes from the environment variable
 ``STEP_LOG_PATH`` (the repository root must be on ``PYTHONPATH`` there).
 One JSON object per step that scheduled any token::
 
-    {"step": 12, "preempted": ["3"], "budget": 64,
+    {"step": 12, "preempted": ["3"], "budget": 64, "draft_slots": 3,
      "reqs": [{"id": "0", "prompt": 130, "computed": 48, "scheduled": 32,
                "drafts": 0, "spec": 0}, ...]}
 
@@ -17,8 +17,10 @@ request, the prefix-cache hit); ``scheduled``: tokens scheduled now
 request held when the step was scheduled; ``spec``: how many of them the
 step verifies (``scheduled_spec_decode_tokens``; fewer than ``drafts`` when
 the token budget cut the block, or for another reason such as the model
-length); ``budget``: the step's token budget (the scheduler's
-``max_num_scheduled_tokens``, ``--max-num-batched-tokens``). Requests finished from outside the
+length); ``budget``: the step's token budget (``--max-num-batched-tokens``);
+``draft_slots``: the budget vLLM charges each scheduled request on top of
+its tokens, for the drafts it will fill (DSpark: k - 1; n-gram: 0).
+Requests finished from outside the
 scheduler (a client's abort) add ``{"aborted": {"<id>": <tokens generated>}}``.
 ``step_events`` reads the file back and names what happened (chunks,
 chunks beside verify blocks, cut blocks, prefix hits, preemptions, aborts).
@@ -44,6 +46,8 @@ class StepLogScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self._step_log = open(os.environ[STEP_LOG_ENV], "a", buffering=1)
         self._step = 0
+        spec = self.vllm_config.speculative_config
+        self._draft_slots = spec.max_num_new_slots_for_drafting if spec else 0
 
     def schedule(self, *args, **kwargs):
         drafts = {req.request_id: len(req.spec_token_ids) for req in self.running}
@@ -64,7 +68,8 @@ class StepLogScheduler(Scheduler):
                 for req_id, num_tokens in output.num_scheduled_tokens.items()]
         record = {"step": self._step, "reqs": reqs,
                   "preempted": sorted(output.preempted_req_ids or ()),
-                  "budget": self.max_num_scheduled_tokens}
+                  "budget": self.scheduler_config.max_num_batched_tokens,
+                  "draft_slots": self._draft_slots}
         self._step_log.write(json.dumps(record) + "\n")
         return output
 
@@ -87,8 +92,8 @@ def step_events(steps: list[dict]) -> dict[str, int]:
     ``chunks``: prefill pieces that left part of the prompt for a later step;
     ``chunks_beside_verify``: steps holding such a piece and a verify block;
     ``cut_blocks``: verify blocks scheduled with fewer drafts than the
-    request held, in a step whose scheduled tokens reach its token budget
-    (the budget cut them); ``prefix_hits``: requests first scheduled with cached
+    request held, in a step whose scheduled tokens and draft slots fill its
+    token budget (the budget cut them); ``prefix_hits``: requests first scheduled with cached
     tokens; ``preemptions``: requests preempted (recompute); ``aborted``:
     requests aborted from outside (a client gone) after generating at least
     one token."""
@@ -103,8 +108,11 @@ def step_events(steps: list[dict]) -> dict[str, int]:
         events["steps"] += 1
         events["preemptions"] += len(step["preempted"])
         chunk = verify = False
-        full = sum(req["scheduled"] for req in step["reqs"]) >= step.get(
-            "budget", float("inf"))
+        # vLLM charges each scheduled request its tokens plus the draft slots
+        # it will fill (DSpark: k - 1) against --max-num-batched-tokens.
+        charged = sum(req["scheduled"] + step.get("draft_slots", 0)
+                      for req in step["reqs"])
+        full = charged >= step.get("budget", float("inf"))
         for req in step["reqs"]:
             if req["computed"] + req["scheduled"] < req["prompt"]:
                 events["chunks"] += 1
