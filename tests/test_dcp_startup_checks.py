@@ -281,6 +281,65 @@ def test_draft_kv_dtype_without_block_size_refused_off_hybrid_models(dspark_pair
     check_as_gpu(gpu_engine_config(target, dcp=1, **flags), major)
 
 
+
+# (GPU major, the draft's named backend, --kv-cache-dtype, the draft's own)
+NAMED_DRAFT_OWN_DTYPE_CASES = [
+    (9, "FLASHMLA", "auto", "auto"),
+    (9, "FLASHINFER_MLA", "auto", "auto"),
+    (10, "FLASHINFER_MLA", "fp8", "fp8"),
+]
+
+
+@pytest.mark.parametrize("major,backend,kv_cache_dtype,draft_dtype",
+                         NAMED_DRAFT_OWN_DTYPE_CASES)
+def test_named_draft_backend_judged_at_the_provisional_block_size(
+        dspark_pair, major, backend, kv_cache_dtype, draft_dtype):
+    """A draft backend named in --speculative-config, the draft's own KV
+    dtype, no --block-size, a model vLLM does not align: the worker selects
+    the named backend at the provisional block size the DSpark loader
+    passes as given (vLLM 0.32's 16: refused after the target's weights
+    load), not at the picks' preferred 64. Refused before load there,
+    naming --block-size 64; on 0.34 (provisional 64) accepted, as there."""
+    from vllm.config.cache import CacheConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from tests.support.cuda_selection import plugin_registered, select_mla_backend
+
+    target, draft = dspark_pair
+    flags = dict(tp=8, kv_cache_dtype=kv_cache_dtype, max_model_len=2048,
+                 speculative_config=dspark(draft, 4, kv_cache_dtype=draft_dtype,
+                                           attention_backend=backend))
+    config = gpu_engine_config(target, dcp=8, **flags)
+    assert not config.model_config.is_hybrid
+    # What a worker selects for the draft's layers in its rebuilt config.
+    provisional = CacheConfig.DEFAULT_BLOCK_SIZE
+    cache, attention = config.cache_config, config.attention_config
+    saved = cache.block_size, cache.user_specified_block_size, attention.backend
+    cache.block_size, cache.user_specified_block_size = provisional, True
+    attention.backend = AttentionBackendEnum[backend]
+    try:
+        with plugin_registered(True):
+            selected = select_mla_backend(config, major, non_causal=True,
+                                          kv_cache_dtype=draft_dtype)
+    finally:
+        cache.block_size, cache.user_specified_block_size, attention.backend = saved
+    if provisional % 64:  # vLLM 0.32's 16: the worker refuses the named backend
+        assert isinstance(selected, ValueError), selected
+        with pytest.raises(ValueError) as error:
+            check_as_gpu(config, major)
+        message = str(error.value)
+        assert f"{backend} (chosen by attention_backend in --speculative-config)" \
+            in message
+        assert f"not {provisional}: pass --block-size 64" in message
+        assert "Pass --block-size 64: vLLM then runs them on" in message
+    else:  # vLLM 0.34's 64: the worker selects it, accepted
+        assert not isinstance(selected, ValueError), selected
+        assert selected.get_name() == backend
+        check_as_gpu(config, major)
+    check_as_gpu(gpu_engine_config(target, dcp=8, block_size=64, **flags), major)
+    check_as_gpu(gpu_engine_config(target, dcp=1, **flags), major)
+
+
 # (GPU major, interleave, --block-size, text of the refusal; None: starts)
 # A DeepSeek-V3-shaped target (vLLM does not align its block size) with a
 # DSpark draft, no backend named: the block size vLLM will use is derived

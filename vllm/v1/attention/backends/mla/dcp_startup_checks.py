@@ -108,7 +108,9 @@ def _judge(vllm_config, gpu_major: int | None, block_size: int | None) -> list[_
     """Each model's backend (named, or vLLM's pick) and its problems at the
     block size vLLM pages every MLA layer with (``update_block_size_for_backend``:
     --block-size ``block_size``, else the picks' common preferred size; the
-    hybrid alignment). vLLM's other MLA backends are left to vLLM."""
+    hybrid alignment), and for a named backend also at the provisional size
+    a draft's own KV dtype passes its selector. vLLM's other MLA backends
+    are left to vLLM."""
     models = _models(vllm_config, block_size)
     picks = [model.named or next(
         (name for name in checks.mla_order(gpu_major)
@@ -125,9 +127,21 @@ def _judge(vllm_config, gpu_major: int | None, block_size: int | None) -> list[_
         return (common if len(known) == len(models) else
                 checks.backend_block_size(pick, block_size, vllm_config))
 
-    return [_Start(model, pick, checks.problems(
-        checks.LIMITS[pick], _setting(vllm_config, gpu_major, model, block(pick))))
-        for model, pick in known]
+    def judged(model: _Model, pick: str) -> list[str]:
+        found = checks.problems(checks.LIMITS[pick], _setting(
+            vllm_config, gpu_major, model, block(pick)))
+        if model.named and block_size is None and model.passed_block_size is not None:
+            # A named backend is selected at the provisional size the
+            # draft's own KV dtype passes (hybrid alignment aside): judged
+            # there too, as vLLM's selector will, after the target loads.
+            passed = checks.backend_block_size(pick, model.passed_block_size,
+                                               vllm_config)
+            found += [problem for problem in checks.problems(
+                checks.LIMITS[pick], _setting(vllm_config, gpu_major, model, passed))
+                if problem not in found]
+        return found
+
+    return [_Start(model, pick, judged(model, pick)) for model, pick in known]
 
 
 def _check_cuda(vllm_config, gpu_major: int | None) -> None:
