@@ -3,7 +3,7 @@
 # from the carried bundle (gpu/README.md), then the named steps, each under a
 # timeout, output under $OUT.
 #
-#   bash gpu/device_run.sh [tests] [bench] [decode] [fmla] [k3prefill] [finish] [step]  (repo root, on the
+#   bash gpu/device_run.sh [tests] [bench] [decode] [fmla] [k3prefill] [finish] [step] [fa3dev]  (repo root, on the
 #                                                         device; carry [".bundle"])
 #   tests   the CUDA tests: FLASHINFER_MLA (sm90) and TRITON_MLA through
 #           vLLM's classes (builders, forward_mqa, the selector, CUDA graphs
@@ -24,6 +24,11 @@
 #           finishing launch, with it as before issue 40 and as now (same call)
 #   step    benchmarks/flashmla_rows.py's 61-layer step at batch 1 x 256K,
 #           W 1 against W 8, 96 heads
+#   fa3dev  benchmarks/fa3_device_plan.py: FA3 with its plan made on the
+#           device for a lone request (FlashInfer's plans recorded, exactness
+#           with graph replays over changing lengths, per layer against
+#           FlashMLA alone / the FLASHMLA rows / FA3's host plan, the 61-layer
+#           step at batch 1 x 256K); FA3DEV_ARGS replaces its arguments
 # TESTS_K (a pytest -k expression) narrows the tests step.
 set -u
 OUT=${OUT:-.out}; mkdir -p "$OUT"
@@ -51,6 +56,8 @@ for step in "${@:-tests}"; do
              ${FINISH_ARGS:---batch 1 2 4 8} --out-dir "$OUT" 2>&1 | tee "$OUT/finish.txt" | grep -v -i warn ;;
     step) timeout 200 python3 -m benchmarks.flashmla_rows --parts step --heads 96 \
              --step-batch 1 --out-dir "$OUT" 2>&1 | tee "$OUT/step.txt" | grep -v -i warn ;;
-    *) echo "unknown step $step (tests, bench, decode, fmla, k3prefill, finish, step)"; exit 2 ;;
+    fa3dev) timeout 510 python3 -m benchmarks.fa3_device_plan ${FA3DEV_ARGS:-} \
+             --out-dir "$OUT" 2>&1 | tee "$OUT/fa3_device_plan.txt" | grep -v -i warn ;;
+    *) echo "unknown step $step (tests, bench, decode, fmla, k3prefill, finish, step, fa3dev)"; exit 2 ;;
   esac
 done
