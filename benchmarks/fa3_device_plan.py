@@ -67,7 +67,7 @@ def host_plan_arrays(mla: dp.FlashInferSm90DevicePlan, kv_len: int) -> dict:
     ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     wrapper = BatchMLAPagedAttentionWrapper(ws, backend="fa3")
     reqs = torch.arange(mla.num_reqs + 1, dtype=torch.int32)
-    plan_fa3_csr(wrapper, mla, reqs * mla.q_len, reqs * mla.page_stride, mla.kv_indices,
+    plan_fa3_csr(wrapper, mla, reqs * mla.q_len, reqs * -(-kv_len // PAGE), mla.kv_indices,
                  torch.full((mla.num_reqs,), kv_len, dtype=torch.int32), causal=False)
     torch.cuda.synchronize()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -100,8 +100,7 @@ def record_part(args, gen):
         point = _point(heads, 65536, False, gen)
         mla = device_plan(point, causal=False)
         case = dict(num_reqs=1, q_len=Q_LEN, num_heads=heads, page_stride=mla.page_stride,
-                    template_kv_len=dp.template_kv_len(mla.template.tiles,
-                                                       mla.template.clusters),
+                    template_kv_len=mla.template_kv_len,
                     template={k: v for k, v in mla.template_arrays.items()},
                     host_plans=[])
         for kv_len in (0, 1, 100, 1000, 2048, 5000, 16384, 17408, 32768, 40960, 65536):
@@ -146,23 +145,26 @@ def check_part(args, gen):
     from tests.support.fa3_native import FlashInferSm90MLAGraphed
 
     rows = []
-    sequence = (16384, 17408, 40960, 100, 3)
+    # (local keys, extra global tokens): the global length local x W + extra
+    # gives a verify block's rows bounds 0 or 1 key apart (tails of 0-1 key).
+    sequence = ((16384, 0), (17408, 1), (40960, 3), (100, 1), (3, 2))
     for heads in args.heads:
         for causal in (True, False):
-            point = _point(heads, max(sequence), causal, gen)
+            point = _point(heads, max(sequence)[0] + 1, causal, gen)
             table, qsl, layout = point.table, point.qsl, DCPLayout(WORLD, 0, 1)
             row_lens = torch.zeros(Q_LEN, dtype=torch.int32, device="cuda")
             row_table = torch.zeros_like(point.flat.block_table)
 
-            def set_rows(local):
+            def set_rows(local, extra):
                 flat = build_flat_decode_triton(
-                    torch.tensor([local * WORLD], dtype=torch.int32, device="cuda"),
+                    torch.tensor([local * WORLD + extra], dtype=torch.int32,
+                                 device="cuda"),
                     qsl, table, layout=layout, causal=causal, num_rows=Q_LEN)
                 row_lens.copy_(flat.seq_lens)
                 row_table.copy_(flat.block_table)
                 return flat
 
-            set_rows(sequence[0])
+            set_rows(*sequence[0])
             ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
             mla = dp.FlashInferSm90DevicePlan(
                 ws, num_reqs=1, q_len=Q_LEN, num_heads=heads, page_size=PAGE,
@@ -186,8 +188,8 @@ def check_part(args, gen):
                 torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), num_heads=heads,
                 page_size=PAGE, sm_scale=point.scale, max_rows=Q_LEN,
                 max_cols=table.shape[1])
-            for local in sequence:
-                flat = set_rows(local)
+            for local, extra in sequence:
+                flat = set_rows(local, extra)
                 out.fill_(float("nan"))
                 lse.fill_(float("nan"))
                 forward()
@@ -204,7 +206,7 @@ def check_part(args, gen):
                 err_lse = ((lse - ref_lse)[finite].abs().max().item()
                            if finite.any() else 0.0)
                 lse_inf_ok = bool((lse[~finite] == -math.inf).all())
-                host.plan_rows(qsl.cpu(), torch.tensor([local * WORLD]), table, flat,
+                host.plan_rows(qsl.cpu(), torch.tensor([local * WORLD + extra]), table, flat,
                                num_rows=Q_LEN, causal=causal, slack=0, layout=layout)
                 h_out, h_lse = host.run(point.q, point.caches[0])
                 d_host = (h_out.float() - out.float()).abs().max().item()

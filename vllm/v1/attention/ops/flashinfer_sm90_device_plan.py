@@ -93,12 +93,12 @@ def fa3_chunk_keys(kv_len: int, tiles: int, clusters: int) -> int:
     return -(-mean // 256) * 256
 
 
-def template_kv_len(tiles: int, clusters: int) -> int:
-    """The shortest prefix at which FlashInfer cuts every tile into the most
-    chunks it ever does, ``ceil(clusters / tiles)`` (its chunk is at least
-    ``tiles x L / clusters`` keys)."""
+def template_kv_len(tiles: int, clusters: int, at_least: int = 1) -> int:
+    """The shortest prefix of at least ``at_least`` keys at which FlashInfer
+    cuts every tile into the most chunks it ever does, ``ceil(clusters /
+    tiles)`` (its chunk is at least ``tiles x L / clusters`` keys)."""
     most = -(-clusters // tiles)
-    for units in range(1, 1 << 16):
+    for units in range(max(1, -(-at_least // (most * 256))), 1 << 20):
         kv_len = most * 256 * units
         if -(-kv_len // fa3_chunk_keys(kv_len, tiles, clusters)) == most:
             return kv_len
@@ -321,8 +321,11 @@ class FlashInferSm90DevicePlan:
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         self.has_tails = has_tails
         tiles, clusters = fa3_layout(num_reqs, q_len, num_heads, num_sms)
-        kv_len = template_kv_len(tiles, clusters)
-        self.page_stride = max(max_cols, -(-kv_len // page_size))
+        # FlashInfer checks the template's page counts (ceil(L / page)), so
+        # its length covers a request's whole block table.
+        kv_len = template_kv_len(tiles, clusters, at_least=max_cols * page_size)
+        self.page_stride = -(-kv_len // page_size)
+        self.template_kv_len = kv_len
         i32 = dict(dtype=torch.int32, device=device)
         self.kv_indices = torch.zeros(num_reqs * self.page_stride, **i32)
         self.row_prefix = torch.zeros(num_reqs * q_len, **i32)
