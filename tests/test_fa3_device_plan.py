@@ -38,6 +38,16 @@ DV, DR, PAGE = 512, 64, 64
 RECORDED = Path(__file__).parent / "data" / "fa3_plans_h100.json"
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The float64 executor and references are many small ops: one CPU
+    thread runs them 3-10x faster than two contending on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _workspace(arrays: dict) -> torch.Tensor:
     """An int32 workspace holding ``arrays`` at their offsets (as FlashInfer's)."""
     size = max(at + len(arrays[name]) for name, at in arrays["offsets"].items()) + 16
@@ -136,7 +146,7 @@ def test_template_check_refuses_another_structure():
 
 @needs_triton
 @pytest.mark.parametrize("num_reqs,heads,num_sms", [
-    (2, 128, 24), (1, 96, 132), (1, 128, 132)])
+    (2, 128, 24), (1, 96, 132)])
 def test_triton_path_device_plan_matches_dense_attention(num_reqs, heads, num_sms):
     q_len = 4
     gen = torch.Generator().manual_seed(num_reqs * heads + num_sms)
