@@ -3,7 +3,7 @@
 
 FlashInfer's FA3 MLA plan (``MLAPlan`` in ``attention/scheduler.cuh``) runs
 on the host: it splits every request's packed query rows (``q_len x H``)
-into tiles of a cluster (128 rows), cuts each tile's keys into chunks of
+into tiles of a cluster (128 rows where ``q_len x H > 64``), cuts each tile's keys into chunks of
 ``kv_len_limit`` keys, deals the (tile, chunk) works to the clusters and
 stages per-work and merge arrays into an integer workspace. The kernel
 (``mla_hopper.cuh``) reads those arrays when it runs; its grid (``num_blks_x
@@ -31,6 +31,11 @@ the partial / merge offsets stay what was captured: a CUDA graph of
 local bound); ``run`` is FA3 then ``mla_tail_merge.tail_merge`` (each row's
 remaining keys, natural-log LSE, empty rows masked), as
 ``flashinfer_sm90_mla`` does.
+
+On an H100 (benchmarks/RESULTS.md, run 23) a lone q_len 4 bf16 request runs
+at the host plan's speed, 0.72-0.99 of the FLASHMLA rows' time at 16-64K local
+keys, with a 1.5-2.2 us plan launch per forward instead of 0.6-1.7 ms of host
+work. Not selected by any backend yet.
 
 Imports no vllm module at the top; flashinfer is imported inside the class.
 Shapes: T = R x s query rows, H heads, W works, Dv = kv_lora_rank (512),
