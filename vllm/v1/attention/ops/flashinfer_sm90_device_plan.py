@@ -3,9 +3,10 @@
 
 FlashInfer's FA3 MLA plan (``MLAPlan`` in ``attention/scheduler.cuh``) runs
 on the host: it splits every request's packed query rows (``q_len x H``)
-into tiles of a cluster (128 rows where ``q_len x H > 64``), cuts each tile's keys into chunks of
-``kv_len_limit`` keys, deals the (tile, chunk) works to the clusters and
-stages per-work and merge arrays into an integer workspace. The kernel
+into tiles of a cluster (128 rows where ``q_len x H > 64``), cuts each
+tile's keys into chunks of ``kv_len_limit`` keys, deals the (tile, chunk)
+works to the clusters and stages per-work and merge arrays into an integer
+workspace. The kernel
 (``mla_hopper.cuh``) reads those arrays when it runs; its grid (``num_blks_x
 x num_blks_y``), its partial buffers and its merge stage follow the plan.
 
@@ -178,8 +179,8 @@ class FA3WorkTemplate:
         most = -(-clusters // tiles)
         seen: dict[tuple[int, int], list[int]] = {}
         reqs, chunks = [], []
-        for w, (q_at, kv_at, partial, ql, kl, q_start, start, end) in enumerate(
-                zip(*(arrays[name] for name in WORK_FIELDS))):
+        for w, work in enumerate(zip(*(arrays[name] for name in WORK_FIELDS))):
+            q_at, kv_at, partial, ql, kl, q_start, start, end = work
             req = q_at // q_len
             problems = [
                 q_at != req * q_len or req >= num_reqs,
@@ -188,7 +189,7 @@ class FA3WorkTemplate:
                 end != min(start + chunk, kv_len)]
             if any(problems):
                 raise ValueError(
-                    f"FA3 template work {w} ({dict(zip(WORK_FIELDS, (q_at, kv_at, partial, ql, kl, q_start, start, end)))}) "
+                    f"FA3 template work {w} ({dict(zip(WORK_FIELDS, work))}) "
                     f"is not a chunk of {chunk} keys of one of {num_reqs} requests "
                     f"of {q_len} rows and {kv_len} keys: FlashInfer's MLA plan "
                     f"changed; use the host plan (flashinfer_sm90_mla)")
