@@ -88,8 +88,8 @@ def device_works(mla: dp.FlashInferSm90DevicePlan) -> dict:
     return arrays
 
 
-def _point(heads, local, causal, gen, copies=1):
-    return Point(1, local, Q_LEN, heads, causal, False, WORLD, gen, copies=copies)
+def _point(heads, local, causal, gen, copies=1, batch=1):
+    return Point(batch, local, Q_LEN, heads, causal, False, WORLD, gen, copies=copies)
 
 
 def record_part(args, gen):
@@ -232,13 +232,13 @@ def check_part(args, gen):
 
 def layer_part(args, gen):
     rows = []
-    print(f"{'H':>4}{'kind':>7}{'local':>7}  " + "".join(
+    print(f"{'H':>4}{'kind':>7}{'B':>3}{'local':>7}  " + "".join(
         f"{p:>10}" for p in ("alone", "dcp", "fa3", "fa3dev", "plan"))
         + "   us (median of repeats); fa3dev/alone, fa3dev/dcp, roofline of fa3dev")
     for heads in args.heads:
         for causal in (True, False):
-            for local in args.local:
-                point = _point(heads, local, causal, gen)
+            for batch, local in [(b, n) for b in args.batch for n in args.local]:
+                point = _point(heads, local, causal, gen, batch=batch)
                 mla = device_plan(point, causal=causal)
                 fns = {"alone": point.alone_fn(), "dcp": point.dcp_fn(),
                        "fa3": point.fa3_fn(),
@@ -250,13 +250,13 @@ def layer_part(args, gen):
                     for path, fn in fns.items():
                         times[path].append(time_ms(fn) * 1e3)
                 us = {k: statistics.median(v) for k, v in times.items()}
-                roof = roofline_us(1, local, Q_LEN, heads)
+                roof = roofline_us(batch, local, Q_LEN, heads)
                 kind = "verify" if causal else "draft"
-                print(f"{heads:4}{kind:>7}{local // 1024:6}K  "
+                print(f"{heads:4}{kind:>7}{batch:3}{local // 1024:6}K  "
                       + "".join(f"{v:10.1f}" for v in us.values())
                       + f"   {us['fa3dev'] / us['alone']:.3f} {us['fa3dev'] / us['dcp']:.3f}"
                       f" {roof / us['fa3dev']:.2f}", flush=True)
-                rows += [dict(part="layer", heads=heads, kind=kind, batch=1, local=local,
+                rows += [dict(part="layer", heads=heads, kind=kind, batch=batch, local=local,
                               path=k, us=round(v, 2), roofline_us=round(roof, 1))
                          for k, v in us.items()]
                 del point, mla, fns
@@ -305,6 +305,8 @@ def main():
     ap.add_argument("--parts", nargs="+", default=["record", "check", "layer", "step"])
     ap.add_argument("--heads", type=int, nargs="+", default=[96, 128])
     ap.add_argument("--local", type=int, nargs="+", default=[16384, 32768, 65536])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1],
+                    help="requests per rank of the layer part (the device plan's R)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--pool-gib", type=float, default=24.0)
