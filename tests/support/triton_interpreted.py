@@ -31,17 +31,15 @@ def run_triton_path_tests(test_file: str, *, timeout: int = 1800) -> None:
     of them must pass (a skip fails too: it would hide a kernel not run).
 
     With ``DCP_TRITON_PATH_SAMPLE=N`` (CI's vLLM 0.34 leg) each test function
-    runs every N-th of its parametrizations, the first included: the kernels
-    are the same under every vLLM version and ran whole in the 0.32 leg; the
-    sample puts each function through the other version's builders.
+    runs every N-th of its parametrizations, the first included
+    (``pytest_collection_modifyitems`` below): the kernels are the same under
+    every vLLM version and ran whole in the 0.32 leg; the sample puts each
+    function through the other version's builders.
     """
-    selected = [test_file, "-k", "triton_path and not interpreter_runs"]
-    stride = int(os.environ.get("DCP_TRITON_PATH_SAMPLE", "1"))
-    if stride > 1:
-        selected = _every_nth_parametrization(selected, stride)
+    sample = ["-p", __name__] if _sample_stride() > 1 else []
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-         *selected],
+         *sample, test_file, "-k", "triton_path and not interpreter_runs"],
         capture_output=True, text=True, timeout=timeout,
         env=dict(os.environ, TRITON_INTERPRET="1"))
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -49,21 +47,20 @@ def run_triton_path_tests(test_file: str, *, timeout: int = 1800) -> None:
     assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail
 
 
-def _every_nth_parametrization(selected: list[str], stride: int) -> list[str]:
-    """The node ids of every ``stride``-th parametrization of each test
-    function that ``selected`` collects."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=", "-p",
-         "no:cacheprovider",
-         *selected],
-        capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, TRITON_INTERPRET="1"))
-    node_ids = [line for line in proc.stdout.splitlines() if "::" in line]
-    assert proc.returncode == 0 and node_ids, proc.stdout[-3000:] + proc.stderr[-2000:]
-    by_function: dict[str, list[str]] = {}
-    for node_id in node_ids:
-        by_function.setdefault(node_id.split("[")[0], []).append(node_id)
-    return [node_id for ids in by_function.values() for node_id in ids[::stride]]
+def _sample_stride() -> int:
+    return int(os.environ.get("DCP_TRITON_PATH_SAMPLE", "1"))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """As a plugin (``-p``) of ``run_triton_path_tests``'s sampled run: keep
+    every N-th parametrization of each test function."""
+    by_function: dict[str, list] = {}
+    for item in items:
+        by_function.setdefault(item.originalname, []).append(item)
+    kept = {id(item) for group in by_function.values()
+            for item in group[::_sample_stride()]}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = [item for item in items if id(item) in kept]
 
 
 def enable_vllm_triton_kernels() -> None:
