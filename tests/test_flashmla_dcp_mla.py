@@ -31,6 +31,7 @@ from tests.support.dense_reference import full_attention, random_decode_batch
 from tests.support.kernel_stubs import FlashMLAReference
 from tests.support.triton_interpreted import (
     needs_triton, run_triton_path_tests, runs_where_triton_cannot)
+from vllm.v1.attention.ops import mla_tail_merge
 from vllm.v1.attention.ops.dcp_decode import DCPLayout
 from tools.dcp_simulated_ranks import decode_on_simulated_ranks
 
@@ -100,7 +101,7 @@ def _stored(values, fp8, scale):
 
 
 def _run_ranks(flashmla, tmp_path, *, world, interleave, causal, shape, fp8,
-               seed=0, kept=None, host_slack=0):
+               seed=0, kept=None, host_slack=0, column_cut=True):
     """Every rank: the real builder (kept across calls in ``kept``) + every
     layer's ``forward_mqa``; returns the merged (out, lse) of the real rows
     and the dense reference over exactly the device lengths' keys. The host
@@ -159,9 +160,11 @@ def _run_ranks(flashmla, tmp_path, *, world, interleave, causal, shape, fp8,
             "padding rows must be out 0, LSE -inf")
         return out[:real].float(), lse[:real]
 
-    out, lse = decode_on_simulated_ranks(batch.kv_cache, batch.block_table,
-                                         batch.seq_lens, decode_rank,
-                                         layout=DCPLayout(world, interleave=interleave))
+    with mock.patch.object(mla_tail_merge, "SMALL_GRID",
+                           mla_tail_merge.SMALL_GRID if column_cut else 0):
+        out, lse = decode_on_simulated_ranks(
+            batch.kv_cache, batch.block_table, batch.seq_lens, decode_rank,
+            layout=DCPLayout(world, interleave=interleave))
     return out, lse, ref_out, ref_lse
 
 
@@ -174,7 +177,7 @@ def test_triton_path_ranks_merge_to_full_attention(flashmla, tmp_path, world,
                                                    interleave, shape, causal, fp8):
     out, lse, ref_out, ref_lse = _run_ranks(
         flashmla, tmp_path, world=world, interleave=interleave, causal=causal,
-        shape=shape, fp8=fp8, seed=world)
+        shape=shape, fp8=fp8, seed=world, column_cut=world < 8)
     kinds = {kind for kind, _ in flashmla.kernel.calls}
     assert kinds == {"fp8" if fp8 else "bf16"}
     assert all(not call["causal"] for _, call in flashmla.kernel.calls), (

@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ngram", type=int, default=0,
                         help="ngram speculative tokens (0: no speculation)")
+    parser.add_argument("--ngram-lookup-min", type=int, default=2,
+                        help="ngram: the shortest suffix matched in the context")
     parser.add_argument("--draft", help="DSpark draft checkpoint")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int,
@@ -147,8 +149,8 @@ def main() -> None:
         kwargs["speculative_config"] = {
             "method": "ngram",
             "num_speculative_tokens": args.ngram,
-            "prompt_lookup_min": 2,
-            "prompt_lookup_max": 4,
+            "prompt_lookup_min": args.ngram_lookup_min,
+            "prompt_lookup_max": max(4, args.ngram_lookup_min),
         }
     if args.draft:
         # The draft's layers do not take the target's backend: name it too.

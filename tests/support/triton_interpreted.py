@@ -28,15 +28,39 @@ runs_where_triton_cannot = pytest.mark.skipif(
 
 def run_triton_path_tests(test_file: str, *, timeout: int = 1800) -> None:
     """Run ``test_file``'s triton_path tests under the interpreter; every one
-    of them must pass (a skip fails too: it would hide a kernel not run)."""
+    of them must pass (a skip fails too: it would hide a kernel not run).
+
+    With ``DCP_TRITON_PATH_SAMPLE=N`` (CI's vLLM 0.34 leg) each test function
+    runs every N-th of its parametrizations, the first included
+    (``pytest_collection_modifyitems`` below): the kernels are the same under
+    every vLLM version and ran whole in the 0.32 leg; the sample puts each
+    function through the other version's builders.
+    """
+    sample = ["-p", __name__] if _sample_stride() > 1 else []
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-         test_file, "-k", "triton_path and not interpreter_runs"],
+         *sample, test_file, "-k", "triton_path and not interpreter_runs"],
         capture_output=True, text=True, timeout=timeout,
         env=dict(os.environ, TRITON_INTERPRET="1"))
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     assert " passed" in tail and "skipped" not in tail and "failed" not in tail, tail
+
+
+def _sample_stride() -> int:
+    return int(os.environ.get("DCP_TRITON_PATH_SAMPLE", "1"))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """As a plugin (``-p``) of ``run_triton_path_tests``'s sampled run: keep
+    every N-th parametrization of each test function."""
+    by_function: dict[str, list] = {}
+    for item in items:
+        by_function.setdefault(item.originalname, []).append(item)
+    kept = {id(item) for group in by_function.values()
+            for item in group[::_sample_stride()]}
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = [item for item in items if id(item) in kept]
 
 
 def enable_vllm_triton_kernels() -> None:
