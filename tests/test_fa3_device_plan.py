@@ -8,15 +8,16 @@ each prefix length L; the ``triton_path`` tests run it directly on CUDA or
 under ``TRITON_INTERPRET=1`` (``test_interpreter_runs_triton_path_tests``
 runs them in a subprocess on every CI run) and check:
 
-- a template with FlashInfer's layout, rewritten for L from 0 keys to the
-  template's length (chunks empty, cut short, all used), executed, equals
-  float64 attention over each request's first L keys (R 1 and 2, 96 and 128
-  heads, a small SM count and an H100's 132);
+- a template with FlashInfer's layout, rewritten for L from 0 keys to at
+  most 2500 (the float64 reference's time; chunks empty and cut short, and
+  all used on 24 SMs, where 2500 reaches the template's length), executed,
+  equals float64 attention over each request's first L keys (R 1 and 2, 96
+  and 128 heads, a small SM count and an H100's 132);
 - FlashInfer's own plans recorded on an H100 (``tests/data/
   fa3_plans_h100.json``: the template FlashInfer made, and its host plans
   at several L): the device plan of the recorded template has the same
-  non-empty works as FlashInfer's host plan at L, and executed equals
-  float64 attention.
+  non-empty works as FlashInfer's host plan at every recorded L, and
+  executed at L = 2048 equals float64 attention.
 """
 
 from __future__ import annotations
@@ -142,6 +143,24 @@ def test_template_check_refuses_another_structure():
                for name, values in arrays.items()}
     with pytest.raises(ValueError, match="host plan"):
         dp.FA3WorkTemplate.from_plan(missing, **args)
+    with pytest.raises(ValueError, match="grid"):
+        dp.FA3WorkTemplate.from_plan({**arrays, "grid": [1, 66]}, **args)
+
+
+def test_plan_refuses_buffers_of_another_batch():
+    """One program per block-table row writes that request's rows and pages:
+    a table of more requests than the template's would write past them."""
+    arrays, kv_len = uniform_template(1, 4, 96, 132, page_stride=128)
+    template = dp.FA3WorkTemplate.from_plan(
+        arrays, num_reqs=1, q_len=4, num_heads=96, page_stride=128, kv_len=kv_len,
+        tiles=3, clusters=66)
+    i32 = dict(dtype=torch.int32)
+    buffers = dict(row_lens=torch.zeros(8, **i32), block_table=torch.zeros(2, 16, **i32),
+                   int_workspace=torch.zeros(1 << 16, **i32),
+                   work_req=torch.zeros(66, **i32), work_chunk=torch.zeros(66, **i32),
+                   row_prefix=torch.zeros(8, **i32), kv_indices=torch.zeros(256, **i32))
+    with pytest.raises(ValueError, match="1 requests x 4 rows given a block table of 2"):
+        dp.plan_works(template, **buffers, q_len=4, page_stride=128)
 
 
 @needs_triton

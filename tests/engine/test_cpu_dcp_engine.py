@@ -10,7 +10,7 @@ repeats, one-token decodes elsewhere) and transformers;
 interleave 16 (with n-gram, prefix caching and chunked prefill) is
 ``test_cpu_serving_features_engine.py``'s.
 
-About 5 minutes on 2 cores. Run: ``pytest -m engine tests/engine``.
+About 3 minutes on 2 cores. Run: ``pytest -m engine tests/engine``.
 """
 
 from __future__ import annotations

@@ -291,7 +291,8 @@ def test_ngram_dcp2_serving_features_equal_plain_tp2(workdir, plain_tp2):
     longer ones) verifies blocks of up to 1 + NGRAM_K tokens on many steps:
     verify blocks, chunks and hits are proved. A verify beside a chunk and a
     cut block are the DSpark runs': n-gram drafts only once a context repeats
-    a token, mostly after the prompts' chunks, and takes no draft slots."""
+    a token, mostly after the prompts' chunks, and none of its runs had
+    blocks enough at once to fill the budget."""
     run = generate(workdir, "ngram_dcp2_i16", dcp=2, interleave=16, ngram=NGRAM_K)
     what = "-tp 2 -dcp 2 (interleave 16) + n-gram, prefix caching + chunked prefill"
     assert_serving_features_ran(run, what, speculating=False)

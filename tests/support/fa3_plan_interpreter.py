@@ -21,10 +21,9 @@ import math
 
 import torch
 
-from vllm.v1.attention.ops.flashinfer_sm90_device_plan import (CTA_TILE_Q,
-                                                              fa3_chunk_keys,
-                                                              fa3_layout,
-                                                              template_kv_len)
+from vllm.v1.attention.ops.flashinfer_sm90_device_plan import (
+    CTA_TILE_Q, MERGE_FIELDS, WORK_FIELDS, fa3_chunk_keys, fa3_cluster_size, fa3_layout,
+    template_kv_len)
 
 __all__ = ["run_plan", "uniform_template"]
 
@@ -55,9 +54,7 @@ def run_plan(arrays: dict, q: torch.Tensor, kv_cache: torch.Tensor,
     partial_lse = torch.full((num_partial,), math.nan, dtype=torch.float64)
     for w in range(len(arrays["q_indptr"])):
         q_at, kv_at, partial, q_len, kv_len, q_start, start, end = (
-            arrays[name][w] for name in ("q_indptr", "kv_indptr", "partial_indptr",
-                                         "q_len", "kv_len", "q_start", "kv_start",
-                                         "kv_end"))
+            arrays[name][w] for name in WORK_FIELDS)
         packed = torch.arange(q_start, min(q_start + tile_rows, q_len * num_heads))
         rows, heads = q_at + packed // num_heads, packed % num_heads
         keys = torch.arange(start, max(min(end, kv_len), start))
@@ -77,10 +74,7 @@ def run_plan(arrays: dict, q: torch.Tensor, kv_cache: torch.Tensor,
             partial_o[partial + packed - q_start] = w_out
             partial_lse[partial + packed - q_start] = w_lse
     for start, end, p_start, p_end, stride in zip(
-            *(arrays[name] for name in (
-                "merge_packed_offset_start", "merge_packed_offset_end",
-                "merge_partial_packed_offset_start", "merge_partial_packed_offset_end",
-                "merge_partial_stride"))):
+            *(arrays[name] for name in MERGE_FIELDS)):
         if end <= start:
             continue
         local = torch.arange(end - start)
@@ -112,14 +106,10 @@ def uniform_template(num_reqs: int, q_len: int, num_heads: int, num_sms: int, *,
     kv_len = template_kv_len(tiles, clusters)
     chunk = fa3_chunk_keys(kv_len, tiles, clusters)
     chunks = -(-kv_len // chunk)
-    cluster = 2 if q_len * num_heads > CTA_TILE_Q else 1
+    cluster = fa3_cluster_size(q_len, num_heads)
     tile_rows, packed = CTA_TILE_Q * cluster, q_len * num_heads
-    works = {name: [] for name in ("q_indptr", "kv_indptr", "partial_indptr", "q_len",
-                                   "kv_len", "q_start", "kv_start", "kv_end")}
-    merges = {name: [] for name in (
-        "merge_packed_offset_start", "merge_packed_offset_end",
-        "merge_partial_packed_offset_start", "merge_partial_packed_offset_end",
-        "merge_partial_stride")}
+    works = {name: [] for name in WORK_FIELDS}
+    merges = {name: [] for name in MERGE_FIELDS}
     partial_rows = 0
     for req in range(num_reqs):
         for q_start in range(0, packed, tile_rows):

@@ -20,7 +20,10 @@ rewrites only the per-work key ranges (``kv_len``, ``kv_start``,
 ``kv_end``) from the device lengths with one Triton launch, with chunks of
 FlashInfer's own ``kv_len_limit`` for L (so that a plan equals FlashInfer's
 host plan for L, up to the order in which works sit on clusters, wherever
-FlashInfer's plan has the template's chunk count). Chunks past the end of L
+FlashInfer's plan has the template's chunk count and every request has the
+same length; for unequal lengths each request's chunk follows its own length,
+where FlashInfer's host plan takes one chunk from their total: still at most
+the template's chunks per tile). Chunks past the end of L
 become empty works (``kv_start == kv_end == 0``: no key tile; the kernel
 writes a partial of lse -inf that its merge skips). The launch, the grid and
 the partial / merge offsets stay what was captured: a CUDA graph of
@@ -60,6 +63,7 @@ __all__ = [
     "FlashInferSm90DevicePlan",
     "MLA_PLAN_FIELDS",
     "fa3_chunk_keys",
+    "fa3_cluster_size",
     "fa3_layout",
     "plan_works",
     "read_plan_arrays",
@@ -81,10 +85,16 @@ MERGE_FIELDS = ("merge_packed_offset_start", "merge_packed_offset_end",
 CTA_TILE_Q = 64  # packed query rows per CTA of FlashInfer's sm90 MLA kernel
 
 
+def fa3_cluster_size(q_len: int, num_heads: int) -> int:
+    """CTAs per cluster in FlashInfer's plan: 2 where a request's packed query
+    rows (``q_len x H``) exceed one CTA's tile, else 1."""
+    return 2 if q_len * num_heads > CTA_TILE_Q else 1
+
+
 def fa3_layout(num_reqs: int, q_len: int, num_heads: int, num_sms: int) -> tuple[int, int]:
     """FlashInfer's cluster choice for R uniform requests: ``(tiles, clusters)``,
     the packed-row tiles of all requests and the clusters (grid rows)."""
-    cluster = 2 if q_len * num_heads > CTA_TILE_Q else 1
+    cluster = fa3_cluster_size(q_len, num_heads)
     tile = CTA_TILE_Q * cluster
     return num_reqs * -(-q_len * num_heads // tile), num_sms // cluster
 
@@ -167,6 +177,10 @@ class FA3WorkTemplate:
     def num_works(self) -> int:
         return len(self.work_req)
 
+    @property
+    def num_reqs(self) -> int:
+        return max(self.work_req) + 1
+
     @classmethod
     def from_plan(cls, arrays: dict, *, num_reqs: int, q_len: int, num_heads: int,
                   page_stride: int, kv_len: int, tiles: int,
@@ -175,6 +189,12 @@ class FA3WorkTemplate:
         R requests of ``kv_len`` keys, request r's pages at ``r x
         page_stride``) has the structure the device plan keeps, and take its
         works. Raises ValueError naming what differs."""
+        cluster = fa3_cluster_size(q_len, num_heads)
+        if list(arrays["grid"]) != [cluster, clusters]:
+            raise ValueError(
+                f"FA3 template plan's grid {arrays['grid']} is not [{cluster}, "
+                f"{clusters}] for {q_len} x {num_heads} query rows: FlashInfer's MLA "
+                f"plan changed; use the host plan (flashinfer_sm90_mla)")
         chunk = fa3_chunk_keys(kv_len, tiles, clusters)
         most = -(-clusters // tiles)
         seen: dict[tuple[int, int], list[int]] = {}
@@ -272,6 +292,15 @@ def plan_works(template: FA3WorkTemplate, row_lens: torch.Tensor,
     if num_cols > page_stride:
         raise ValueError(f"FA3 device plan: {num_cols} block-table columns exceed "
                          f"the {page_stride} planned per request")
+    # One program per block-table row writes that request's rows and pages.
+    num_rows = template.num_reqs * q_len
+    if (num_reqs != template.num_reqs or row_lens.numel() < num_rows
+            or row_prefix.numel() < num_rows
+            or kv_indices.numel() < num_reqs * page_stride):
+        raise ValueError(
+            f"FA3 device plan of {template.num_reqs} requests x {q_len} rows given a "
+            f"block table of {num_reqs} rows, {row_lens.numel()} row lengths, "
+            f"{row_prefix.numel()} row prefixes, {kv_indices.numel()} page slots")
     words = int_workspace.view(torch.int32)
     num_works = template.num_works
     _plan_works_kernel[(num_reqs,)](
@@ -294,8 +323,8 @@ class FlashInferSm90DevicePlan:
 
     The constructor makes FlashInfer's one host plan (the template) on a
     CUDA-graph wrapper; ``plan`` and ``run`` make no host sync and allocate
-    nothing, so both may be captured and replayed for any lengths up to
-    ``max_cols`` pages per request.
+    nothing (``run`` given ``out`` and ``lse``), so both may be captured and
+    replayed for any lengths up to ``max_cols`` pages per request.
 
     Args:
         workspace: uint8 CUDA buffer for FlashInfer (float workspace).
