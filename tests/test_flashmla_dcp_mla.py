@@ -232,6 +232,62 @@ def test_triton_path_lone_request_pieces_merge_to_full_attention(
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@contextlib.contextmanager
+def _fa3_on_a_fake_hopper(flashmla, monkeypatch, *, scale, num_sms=12):
+    """The builder's FA3 rows (``flashmla_fa3_rows``) as on an H100 with
+    FlashInfer: the device plan's FlashInfer calls stood in by a wrapper that
+    executes the plan arrays the device planner rewrote."""
+    from tests.support.fa3_plan_interpreter import flashinfer_planned_fa3
+    from vllm.v1.attention.ops.flashmla_fa3_rows import FA3RowPlans
+
+    def fa3_row_plans(builder, *, fp8, **_):  # the CPU builder counts one SM
+        if fp8:
+            return None
+        return FA3RowPlans(num_heads=builder.dcp_setting.gathered_heads,
+                           page_size=BLOCK_SIZE, dtype=torch.bfloat16,
+                           max_cols=builder.dcp_setting.block_table_width,
+                           num_sms=num_sms, kv_lora_rank=512, rope_dim=64,
+                           device=builder.device)
+
+    monkeypatch.setattr(flashmla.FlashMLADCPMetadataBuilder, "_fa3_row_plans",
+                        fa3_row_plans)
+    # The builder reads the scale off the group's impls; these tests make
+    # the impls outside vLLM's forward context.
+    monkeypatch.setattr(flashmla.FlashMLADCPMetadataBuilder, "_group_softmax_scale",
+                        lambda self, what: scale)
+    with flashinfer_planned_fa3() as wrapper:
+        yield wrapper
+
+
+@needs_triton
+@pytest.mark.parametrize("world,interleave,seq_len,causal", [
+    (2, 1, 700, True), (8, 64, 70, False), (8, 1, 300, True), (4, 16, 3, False)])
+def test_triton_path_lone_request_fa3_merges_to_full_attention(
+        flashmla, tmp_path, monkeypatch, world, interleave, seq_len, causal):
+    """A lone bf16 request per rank on Hopper runs FA3 with its plan made
+    on the device (no FlashMLA call), ranks with no key (a request shorter
+    than W x I) included; every rank's rows merge to full attention. A
+    batch of two requests keeps FlashMLA (checked at W 2)."""
+    monkeypatch.setitem(CASES, "lone", ([seq_len], [NUM_SPEC + 1]))
+    monkeypatch.setitem(CASES, "pair", ([seq_len, 129], [NUM_SPEC + 1] * 2))
+    scale = random_decode_batch([1], [1], block_size=BLOCK_SIZE,
+                                num_heads=NUM_HEADS).scale
+    with _fa3_on_a_fake_hopper(flashmla, monkeypatch, scale=scale) as wrapper:
+        out, lse, ref_out, ref_lse = _run_ranks(
+            flashmla, tmp_path, world=world, interleave=interleave, causal=causal,
+            shape="lone", fp8=False, seed=world + seq_len)
+        assert flashmla.kernel.calls == [] and wrapper.runs == world * NUM_LAYERS
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+        if world > 2:
+            return
+        out, lse, ref_out, ref_lse = _run_ranks(
+            flashmla, tmp_path, world=world, interleave=interleave, causal=causal,
+            shape="pair", fp8=False, seed=world)
+        assert flashmla.kernel.calls and wrapper.runs == world * NUM_LAYERS
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+
+
 @needs_triton
 def test_triton_path_builder_kept_across_forwards(flashmla, tmp_path):
     """The real builders kept as vLLM keeps them: every forward makes a new
@@ -332,6 +388,49 @@ def test_selection_flags_follow_the_dcp_size(flashmla, tmp_path):
         with set_current_vllm_config(make_vllm_config(tmp_path / f"m{dcp}", dcp=dcp)):
             assert backend.supports_non_causal() is non_causal
             assert backend.supports_device_cpu_query_lens_mismatch() is mismatch
+
+
+def test_fa3_rows_where_hopper_bf16_and_flashinfer(flashmla, tmp_path, monkeypatch):
+    """The builder gives FLASHMLA's planner FA3 rows on an sm90 CUDA device
+    in bf16 / fp16 with FlashInfer installed, unless
+    ``VLLM_DCP_FLASHMLA_FA3=0``; never for an fp8 cache, on another GPU or
+    on the CPU; and the planner takes them for one request's block only."""
+    import importlib.util
+
+    from vllm.v1.attention.ops.flashmla_fa3_rows import FA3RowPlans, fa3_rows_preferred
+
+    with _rank0_of_2(flashmla, tmp_path) as (config, builder, *_):
+        assert builder._flashmla_rows._fa3 is None  # the CPU builder
+        hopper = SimpleNamespace(vllm_config=config, device=torch.device("cuda", 0),
+                                 dcp_setting=builder.dcp_setting, mla_dims=builder.mla_dims)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+
+        def fa3(fp8=False, dtype=torch.bfloat16, major=9, switch=None, self=hopper):
+            monkeypatch.setattr(flashmla.checks, "current_gpu_major", lambda: major)
+            if switch is None:
+                monkeypatch.delenv(flashmla.FA3_SWITCH, raising=False)
+            else:
+                monkeypatch.setenv(flashmla.FA3_SWITCH, switch)
+            config.model_config.dtype = dtype
+            return flashmla.FlashMLADCPMetadataBuilder._fa3_row_plans(
+                self, fp8=fp8, num_sms=132)
+
+        plans = fa3()
+        assert isinstance(plans, FA3RowPlans)
+        assert (plans.num_heads, plans.page_size, plans.num_sms, plans.max_cols) == (
+            NUM_HEADS, BLOCK_SIZE, 132, builder.dcp_setting.block_table_width)
+        assert isinstance(fa3(dtype=torch.float16), FA3RowPlans)
+        assert isinstance(fa3(switch="1"), FA3RowPlans)
+        assert fa3(fp8=True) is None and fa3(major=10) is None and fa3(switch="0") is None
+        assert fa3(self=SimpleNamespace(**{**vars(hopper), "device": torch.device("cpu")})
+                   ) is None
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+        assert fa3() is None
+    assert fa3_rows_preferred(num_reqs=1, query_len=1 + NUM_SPEC, fp8=False)
+    assert fa3_rows_preferred(num_reqs=1, query_len=2, fp8=False)
+    assert not fa3_rows_preferred(num_reqs=1, query_len=1, fp8=False)
+    assert not fa3_rows_preferred(num_reqs=2, query_len=1 + NUM_SPEC, fp8=False)
+    assert not fa3_rows_preferred(num_reqs=1, query_len=1 + NUM_SPEC, fp8=True)
 
 
 @runs_where_triton_cannot

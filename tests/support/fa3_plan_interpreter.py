@@ -17,15 +17,18 @@ Shapes: T rows, H heads, D = Dv + Dr, P pages, page tokens per page.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+import types
 
 import torch
 
 from vllm.v1.attention.ops.flashinfer_sm90_device_plan import (
-    CTA_TILE_Q, MERGE_FIELDS, WORK_FIELDS, fa3_chunk_keys, fa3_cluster_size, fa3_layout,
-    template_kv_len)
+    CTA_TILE_Q, MERGE_FIELDS, MLA_PLAN_FIELDS, WORK_FIELDS, fa3_chunk_keys,
+    fa3_cluster_size, fa3_layout, template_kv_len)
 
-__all__ = ["run_plan", "uniform_template"]
+__all__ = ["PlannedFA3Wrapper", "flashinfer_planned_fa3", "run_plan", "uniform_template"]
 
 
 def run_plan(arrays: dict, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -94,8 +97,9 @@ def run_plan(arrays: dict, q: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def uniform_template(num_reqs: int, q_len: int, num_heads: int, num_sms: int, *,
-                     page_stride: int) -> tuple[dict, int]:
-    """A plan of R requests of the template length with FlashInfer's layout.
+                     page_stride: int, kv_len: int | None = None) -> tuple[dict, int]:
+    """A plan of R requests of the template length (the shortest, or
+    ``kv_len`` keys: one with the most chunks) with FlashInfer's layout.
 
     Returns:
         ``(arrays, kv_len)``: lists as ``read_plan_arrays`` gives them (works
@@ -103,7 +107,7 @@ def uniform_template(num_reqs: int, q_len: int, num_heads: int, num_sms: int, *,
         consecutive arrays), and the template length.
     """
     tiles, clusters = fa3_layout(num_reqs, q_len, num_heads, num_sms)
-    kv_len = template_kv_len(tiles, clusters)
+    kv_len = template_kv_len(tiles, clusters) if kv_len is None else kv_len
     chunk = fa3_chunk_keys(kv_len, tiles, clusters)
     chunks = -(-kv_len // chunk)
     cluster = fa3_cluster_size(q_len, num_heads)
@@ -140,10 +144,87 @@ def uniform_template(num_reqs: int, q_len: int, num_heads: int, num_sms: int, *,
     arrays = {name: [values[w] for w in order] for name, values in works.items()}
     unused = num_sms - len(merges["merge_packed_offset_start"])
     arrays.update({name: values + [0] * unused for name, values in merges.items()})
-    names = list(works) + list(merges)
+    names = list(works) + list(merges) + ["work_indptr"]
     offsets = dict(zip(names, range(0, 1 << 20, 1 << 14)))
     arrays["offsets"] = offsets
     arrays["grid"] = [cluster, clusters]
     arrays["work_indptr"] = [min(i * -(-num_works // clusters), num_works)
                              for i in range(clusters + 1)]
     return arrays, kv_len
+
+
+class PlannedFA3Wrapper:
+    """Stand-in for ``BatchMLAPagedAttentionWrapper(backend="fa3",
+    use_cuda_graph=True)`` as ``FlashInferSm90DevicePlan`` uses it: ``plan``
+    stages a uniform template with FlashInfer's layout (``uniform_template``
+    at the planned length) in the int workspace and its host copy, with
+    ``_plan_info`` offsets in bytes; ``run`` executes whatever work arrays
+    the device workspace holds then (``run_plan``), as the kernel reads
+    them, and writes the outputs in their dtypes (LSE base 2)."""
+
+    num_sms = 12  # SMs of the fake GPU
+    runs = 0
+
+    def __init__(self, workspace, *, use_cuda_graph=False, qo_indptr=None,
+                 kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto"):
+        assert backend == "fa3" and use_cuda_graph and kv_indices is not None
+        self.kv_indices = kv_indices
+        self._int_workspace_buffer = torch.zeros(1 << 22, dtype=torch.uint8,
+                                                 device=workspace.device)
+        self._pin_memory_int_workspace_buffer = torch.zeros(1 << 22, dtype=torch.uint8)
+
+    def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, lse_mode):
+        assert not causal and lse_mode == "base2"
+        qo, kv_at = metadata.qo_indptr.tolist(), metadata.kv_indptr.tolist()
+        kv_lens = metadata.kv_len_arr.tolist()
+        assert len(set(kv_lens)) == 1, "a uniform template"
+        arrays, _ = uniform_template(
+            len(kv_lens), qo[1] - qo[0], num_heads, self.num_sms,
+            page_stride=kv_at[1] - kv_at[0], kv_len=kv_lens[0])
+        words = self._pin_memory_int_workspace_buffer.view(torch.int32)
+        for name, at in arrays["offsets"].items():
+            words[at:at + len(arrays[name])] = torch.tensor(arrays[name])
+        self._int_workspace_buffer.copy_(self._pin_memory_int_workspace_buffer)
+        offsets = {name: 4 * at for name, at in arrays["offsets"].items()}
+        self._plan_info = [*arrays["grid"], *(offsets.get(name, 0)
+                                               for name in MLA_PLAN_FIELDS[2:])]
+        self._arrays = arrays
+        self.shape = dict(num_heads=num_heads, page_size=page_size, sm_scale=sm_scale,
+                          kv_lora_rank=head_dim_ckv)
+
+    def run(self, *, query, kv_cache, out, lse, return_lse):
+        words = self._int_workspace_buffer.view(torch.int32).cpu()
+        arrays = dict(self._arrays)
+        num_works = len(arrays["q_indptr"])
+        for name in WORK_FIELDS:  # as the kernel reads them, when it runs
+            at = arrays["offsets"][name]
+            arrays[name] = words[at:at + num_works].tolist()
+        o, l2 = run_plan(arrays, query.cpu(), kv_cache.cpu(), self.kv_indices.cpu(),
+                         **self.shape)
+        out.copy_(o.to(out.dtype))
+        lse.copy_(l2.float())
+        PlannedFA3Wrapper.runs += 1
+        return out, lse
+
+
+@contextlib.contextmanager
+def flashinfer_planned_fa3():
+    """``flashinfer.mla`` is a module with ``PlannedFA3Wrapper`` (and
+    ``MLAPlanMetadata``) inside the ``with``; the key is restored after."""
+    from tests.support.flashinfer_fa3_fake import FakePlanMetadata
+
+    missing = object()
+    before = sys.modules.get("flashinfer.mla", missing)
+    mla = types.ModuleType("flashinfer.mla")
+    mla.BatchMLAPagedAttentionWrapper = PlannedFA3Wrapper
+    mla.MLAPlanMetadata = FakePlanMetadata
+    sys.modules["flashinfer.mla"] = mla
+    PlannedFA3Wrapper.runs = 0
+    try:
+        yield PlannedFA3Wrapper
+    finally:
+        if before is missing:
+            sys.modules.pop("flashinfer.mla", None)
+        else:
+            sys.modules["flashinfer.mla"] = before

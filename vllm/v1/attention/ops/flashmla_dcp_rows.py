@@ -39,6 +39,10 @@ contract: same shapes and lengths), inside the graph when captured; fp8: the
 planner makes it (``get_mla_metadata_dense_fp8``) into persistent buffers, as
 vLLM's FLASHMLA builder does.
 
+A lone bf16 request's block runs FlashInfer's FA3 instead where the builder
+gives the planner ``FA3RowPlans`` (``flashmla_fa3_rows``: faster there on an
+H100), with its plan made on the device and the same finishing launch.
+
 The kernels are vLLM's (``vllm.v1.attention.ops.flashmla``), imported when a
 plan is made; nothing of vllm is imported at module level.
 
@@ -49,12 +53,14 @@ request's), T rows (R * s in a uniform batch), H heads, D = Dv + Dr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm.v1.attention.ops.dcp_decode import FlatDecode
+from vllm.v1.attention.ops.flashmla_fa3_rows import FA3RowPlans, fa3_rows_preferred
 from vllm.v1.attention.ops.flashmla_pieces import PiecePlanner, pieces_for
 from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
@@ -105,6 +111,8 @@ class FlashMLARowPlan:
             requests of their own (``flashmla_pieces``: a lone bf16 request;
             else 1); ``piece_table`` int32 [R * N, B] / ``piece_lens`` int32
             [R * N] their block table and keys (None with one piece).
+        fa3: the planned ``FlashInferSm90DevicePlan`` that runs the rows
+            instead of FlashMLA (``FA3RowPlans``), or None.
     """
 
     num_reqs: int
@@ -126,6 +134,7 @@ class FlashMLARowPlan:
     pieces: int = 1
     piece_table: torch.Tensor | None = None
     piece_lens: torch.Tensor | None = None
+    fa3: Any = None
 
     @property
     def is_current(self) -> bool:
@@ -156,6 +165,11 @@ class FlashMLARowPlan:
                 f"FLASHMLA under DCP planned {self.num_rows} rows "
                 f"({self.num_reqs} requests, tiles of {self.query_len}), the "
                 f"layer runs {num_rows}")
+        if self.fa3 is not None:
+            if sm_scale != self.fa3.sm_scale:
+                raise ValueError(f"FLASHMLA under DCP planned FA3 with softmax scale "
+                                 f"{self.fa3.sm_scale}, the layer has {sm_scale}")
+            return self.fa3.run(q, kv_cache)
         ops = _flashmla_ops()
         q_tiles = q if self.tile_rows is None else _gather_rows(q, self.tile_rows)
         q_tiles = q_tiles.view(self.num_reqs, self.query_len, num_heads, q.shape[-1])
@@ -219,11 +233,13 @@ class FlashMLARowPlanner:
             scheduler metadata).
         num_sms: the GPU's SM count (bounds FlashMLA's SM partitions).
         device: the group's device.
+        fa3: where a lone bf16 request runs FA3 (``fa3_rows_preferred``);
+            None: FlashMLA for every batch.
     """
 
     def __init__(self, *, max_reqs: int, max_rows: int, num_heads: int,
                  kv_lora_rank: int, fp8: bool, num_sms: int,
-                 device: torch.device) -> None:
+                 device: torch.device, fa3: FA3RowPlans | None = None) -> None:
         i32 = dict(dtype=torch.int32, device=device)
         self.num_heads = num_heads
         self.kv_lora_rank = kv_lora_rank
@@ -236,10 +252,12 @@ class FlashMLARowPlanner:
         self._num_splits = torch.zeros(max_reqs + 1, **i32)
         self._num_sms = num_sms
         self._pieces = PiecePlanner(device)
+        self._fa3 = fa3
 
     def plan(self, rows: FlatDecode, block_table: torch.Tensor, *,
              query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor,
-             num_rows: int, causal: bool, forward_id: int) -> FlashMLARowPlan:
+             num_rows: int, causal: bool, forward_id: int,
+             sm_scale: Callable[[], float] | None = None) -> FlashMLARowPlan:
         """This forward's plan.
 
         Args:
@@ -254,6 +272,7 @@ class FlashMLARowPlanner:
             num_rows: T, the decode query rows (CUDA-graph padding included).
             causal: verify (tails) or a DSpark block.
             forward_id: the metadata's ``forward_id``.
+            sm_scale: the group's softmax scale, read where FA3 is planned.
         """
         offsets = query_start_loc_cpu.tolist()
         num_reqs = len(offsets) - 1
@@ -281,6 +300,19 @@ class FlashMLARowPlanner:
             tile_rows, row_tiles = _ragged_tiles(rows, query_start_loc, prefix,
                                                  row_prefix, query_len=query_len,
                                                  num_reqs=num_reqs, num_rows=num_rows)
+        if (self._fa3 is not None and tile_rows is None and fa3_rows_preferred(
+                num_reqs=num_reqs, query_len=query_len, fp8=self.fp8)):
+            if sm_scale is None:
+                raise ValueError("FLASHMLA under DCP: FA3 rows need the softmax scale")
+            fa3 = self._fa3.plan(rows, block_table, num_reqs=num_reqs,
+                                 query_len=query_len, causal=causal,
+                                 sm_scale=sm_scale())
+            return FlashMLARowPlan(
+                num_reqs=num_reqs, query_len=query_len, num_rows=num_rows,
+                causal=causal, block_table=block_table, prefix_lens=prefix,
+                kernel_lens=prefix, rows=rows, row_prefix_lens=row_prefix,
+                sched_meta=None, fp8=False, kv_lora_rank=self.kv_lora_rank,
+                planned_forward_id=forward_id, planner=self, fa3=fa3)
         ops = _flashmla_ops()
         kernel_lens = prefix
         if self.fp8:

@@ -152,6 +152,19 @@ class DCPDecodeBuilderMixin:
         if self.dcp_world_size > 1:
             route_combines_through_rows(self.vllm_config, layer_names)
 
+    def _group_softmax_scale(self, what: str) -> float:
+        """The softmax scale of the group's layers, read off their impls (as
+        vLLM's FlashInfer builder does), for a kernel planned once for every
+        layer; ``what`` names that kernel in the error."""
+        context = self.vllm_config.compilation_config.static_forward_context
+        scales = {getattr(getattr(context[name], "impl", None), "scale", None)
+                  for name in self.layer_names}
+        if len(scales) != 1 or None in scales:
+            raise ValueError(
+                f"{what} plans one softmax scale per KV-cache group; its layers "
+                f"have {sorted(map(str, scales))}")
+        return scales.pop()
+
     def _dcp_row_buffers(self, num_rows: int, num_blocks: int) -> FlatDecode:
         """The persistent rows; a batch beyond them is a configuration error,
         never a fresh tensor (a captured graph would keep the old one)."""

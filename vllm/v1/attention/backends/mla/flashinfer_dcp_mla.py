@@ -95,7 +95,8 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
         self._sm90: Sm90RowPlanner | None = None
         if self.rows_without_dcp:
             self._sm90 = Sm90RowPlanner(
-                self.dcp_setting, vllm_config, layer_names,
+                self.dcp_setting, vllm_config,
+                lambda: self._group_softmax_scale("FLASHINFER_MLA on sm90"),
                 page_size=kv_cache_spec.block_size,
                 kv_lora_rank=self.mla_dims.kv_lora_rank,
                 rope_dim=self.mla_dims.qk_rope_head_dim)

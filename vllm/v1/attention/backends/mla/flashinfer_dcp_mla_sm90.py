@@ -19,6 +19,8 @@ builder's ``build_for_cudagraph_capture``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
@@ -31,35 +33,25 @@ class Sm90RowPlanner:
     Args:
         setting: the builder's ``DCPSetting`` (gathered heads, row capacity,
             block-table width, host-length slack).
-        vllm_config: the builder's config (its layers' impls, model dtype).
-        layer_names: the group's layers; one plan serves them all.
+        vllm_config: the builder's config (its model dtype).
+        softmax_scale: the group's one scale, read when the first plan is
+            made (the layers' impls exist by then); one plan serves them all.
         page_size: tokens per KV page of the group's kernel blocks.
         kv_lora_rank, rope_dim: the latent (value) and rope widths.
     """
 
-    def __init__(self, setting: DCPSetting, vllm_config, layer_names: list[str], *,
+    def __init__(self, setting: DCPSetting, vllm_config,
+                 softmax_scale: Callable[[], float], *,
                  page_size: int, kv_lora_rank: int, rope_dim: int) -> None:
         self.setting = setting
         self._vllm_config = vllm_config
-        self._layer_names = list(layer_names)
+        self._softmax_scale = softmax_scale
         self._page_size = page_size
         self._kv_lora_rank = kv_lora_rank
         self._rope_dim = rope_dim
         # The group's FlashInferSm90MLA, made by the first plan (when the
         # layers' impls exist).
         self.kernel = None
-
-    def _softmax_scale(self) -> float:
-        """The group's softmax scale, read off its layers' impls (as vLLM's
-        FlashInfer builder does): one plan serves every layer."""
-        context = self._vllm_config.compilation_config.static_forward_context
-        scales = {getattr(getattr(context[name], "impl", None), "scale", None)
-                  for name in self._layer_names}
-        if len(scales) != 1 or None in scales:
-            raise ValueError(
-                f"FLASHINFER_MLA on sm90 plans one softmax scale per KV-cache "
-                f"group; its layers have {sorted(map(str, scales))}")
-        return scales.pop()
 
     def _make_kernel(self, workspace: torch.Tensor):
         """The group's ``FlashInferSm90MLA``, sized for the largest decode

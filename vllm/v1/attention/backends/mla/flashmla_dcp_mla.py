@@ -13,6 +13,11 @@ as FlashMLA wants it, plus each verify token's few remaining local keys
 through the tail kernel; all from device data, so uniform decode batches
 replay in full CUDA graphs (upstream's ``UNIFORM_BATCH``).
 
+A lone bf16 request's block (batch 1 per rank: the DSpark latency regime)
+runs FlashInfer's FA3 on Hopper instead, with its plan made on the device
+(``flashmla_fa3_rows``; faster there, benchmarks/RESULTS.md run 23), where
+FlashInfer is installed; ``VLLM_DCP_FLASHMLA_FA3=0`` keeps FlashMLA.
+
 Rows where this rank holds no KV are masked (out 0, LSE -inf) by the plan's
 own last launch, and the layers' combines, routed once when the builder is
 made, skip their own per-layer mask (``dcp_epilogue``).
@@ -23,6 +28,7 @@ and kernel calls are upstream's.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import ClassVar
 
 import torch
@@ -45,7 +51,12 @@ from vllm.v1.attention.backends.mla.flashmla import (
     FlashMLAMetadataBuilder,
 )
 from vllm.v1.attention.ops.flashmla_dcp_rows import FlashMLARowPlan, FlashMLARowPlanner
+from vllm.v1.attention.ops.flashmla_fa3_rows import FA3RowPlans
+from vllm.v1.attention.ops.flashmla_pieces import PAGE
 from vllm.v1.kv_cache_interface import AttentionSpec, is_quantized_kv_cache
+from vllm.v1.worker.cpu.triton_interpreter_boot import env_flag
+
+FA3_SWITCH = "VLLM_DCP_FLASHMLA_FA3"
 
 
 def _group_kv_cache_dtype(kv_cache_spec: AttentionSpec, vllm_config) -> str:
@@ -79,15 +90,31 @@ class FlashMLADCPMetadataBuilder(DCPDecodeBuilderMixin, FlashMLAMetadataBuilder)
         self._flashmla_rows: FlashMLARowPlanner | None = None
         if self._dcp_rows_enabled:
             setting = self.dcp_setting
+            fp8 = is_quantized_kv_cache(_group_kv_cache_dtype(kv_cache_spec, vllm_config))
+            num_sms = (num_compute_units(self.device.index)
+                       if self.device.type == "cuda" else 1)
             self._flashmla_rows = FlashMLARowPlanner(
                 max_reqs=setting.row_capacity, max_rows=setting.row_capacity,
                 num_heads=setting.gathered_heads,
-                kv_lora_rank=self.mla_dims.kv_lora_rank,
-                fp8=is_quantized_kv_cache(_group_kv_cache_dtype(kv_cache_spec,
-                                                                vllm_config)),
-                num_sms=num_compute_units(self.device.index)
-                if self.device.type == "cuda" else 1,
-                device=self.device)
+                kv_lora_rank=self.mla_dims.kv_lora_rank, fp8=fp8, num_sms=num_sms,
+                device=self.device,
+                fa3=self._fa3_row_plans(fp8=fp8, num_sms=num_sms))
+
+    def _fa3_row_plans(self, *, fp8: bool, num_sms: int) -> FA3RowPlans | None:
+        """FA3 for a lone request's block: on Hopper, bf16 / fp16, where
+        FlashInfer is installed and ``VLLM_DCP_FLASHMLA_FA3`` is not 0."""
+        dtype = self.vllm_config.model_config.dtype
+        if (fp8 or dtype not in (torch.bfloat16, torch.float16)
+                or self.device.type != "cuda" or checks.current_gpu_major() != 9
+                or not env_flag(FA3_SWITCH, default=True)
+                or importlib.util.find_spec("flashinfer") is None):
+            return None
+        return FA3RowPlans(
+            num_heads=self.dcp_setting.gathered_heads,
+            page_size=PAGE, dtype=dtype,
+            max_cols=self.dcp_setting.block_table_width, num_sms=num_sms,
+            kv_lora_rank=self.mla_dims.kv_lora_rank,
+            rope_dim=self.mla_dims.qk_rope_head_dim, device=self.device)
 
     def _validate_dspark_dcp_support(self, supports_dcp_with_varlen: bool) -> None:
         super()._validate_dspark_dcp_support(
@@ -123,7 +150,8 @@ class FlashMLADCPMetadataBuilder(DCPDecodeBuilderMixin, FlashMLAMetadataBuilder)
                 query_start_loc=query_start_loc_device,
                 query_start_loc_cpu=query_start_loc_cpu,
                 num_rows=num_decode_tokens, causal=decode.causal,
-                forward_id=decode.forward_id)
+                forward_id=decode.forward_id,
+                sm_scale=lambda: self._group_softmax_scale("FLASHMLA under DCP (FA3)"))
         return decode
 
 
