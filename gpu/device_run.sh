@@ -8,7 +8,7 @@
 #   tests   the CUDA tests: FLASHINFER_MLA (sm90) and TRITON_MLA through
 #           vLLM's classes (builders, forward_mqa, the selector, CUDA graphs
 #           at every shape vLLM's CudaGraphManager captures), FA3 under DCP
-#           against dense attention, the FA3 adapter
+#           against dense attention, the FA3 adapter and its device plan
 #   bench   benchmarks/hopper_rows.py: FA3 vs TRITON_MLA rows bf16 / fp8 per
 #           layer at the deployed head count (96)
 #   decode  benchmarks/decode_step.py: 61-layer steps at 96 heads, batch 1
@@ -41,6 +41,7 @@ for step in "${@:-tests}"; do
     tests) timeout 500 python3 -m pytest -q -p no:cacheprovider -W ignore \
              tests/gpu/test_sm90_vllm_backend.py tests/test_triton_dcp_mla.py \
              tests/gpu/test_flashinfer_sm90_dcp.py tests/test_flashinfer_sm90_mla.py \
+             tests/test_fa3_device_plan.py \
              ${TESTS_K:+-k "$TESTS_K"} \
              2>&1 | tee "$OUT/tests.txt" | tail -8 ;;
     bench) timeout 300 python3 -m benchmarks.hopper_rows \

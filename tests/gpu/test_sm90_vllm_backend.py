@@ -476,6 +476,11 @@ def test_graphs_at_every_shape_vllm_captures(tmp_path, backend, world, interleav
         for rank, state in enumerate(sim.ranks):
             with sim.rank_context(rank):
                 metadata = state.builder.build(0, sim.common(rank, batch))
+                if backend.startswith("flashmla"):
+                    # A lone bf16 request's block runs FA3 (flashmla_fa3_rows).
+                    fa3 = metadata.decode.plan.fa3 is not None
+                    assert fa3 == (backend == "flashmla" and num_reqs == 1), (
+                        backend, num_reqs, fa3)
                 graph, outputs = captured[rank, num_tokens]
                 for out, lse in outputs:
                     out.fill_(float("nan"))
