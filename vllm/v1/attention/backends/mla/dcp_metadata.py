@@ -126,6 +126,7 @@ class DCPDecodeBuilderMixin:
         the mixin's own."""
         self._dcp_causal = True
         self._dcp_forward_ids = itertools.count(1)
+        self._dcp_layer_names = list(layer_names)
         # Sized once, before any CUDA graph is captured: a graph replays
         # into these exact tensors.
         self._dcp_rows: FlatDecode | None = None
@@ -158,7 +159,7 @@ class DCPDecodeBuilderMixin:
         layer; ``what`` names that kernel in the error."""
         context = self.vllm_config.compilation_config.static_forward_context
         scales = {getattr(getattr(context[name], "impl", None), "scale", None)
-                  for name in self.layer_names}
+                  for name in self._dcp_layer_names}
         if len(scales) != 1 or None in scales:
             raise ValueError(
                 f"{what} plans one softmax scale per KV-cache group; its layers "
