@@ -8,9 +8,10 @@ token budget that chunks long prompts in steps that also verify and draft,
 and cuts verify blocks; the prompts come in two waves sharing long
 prefixes (6 and 4 blocks of 16), the second wave after the first has
 finished, so it hits the prefix cache (a prefill whose context is a cached
-prefix spread over the DCP ranks). Every request's greedy tokens must equal
-stock ``-tp 2``'s (no DCP, no speculation, vLLM's defaults) for the same
-prompt.
+prefix spread over the DCP ranks); the n-gram run has two waves of its
+own, prompts holding every ordinary token, so that n-gram drafts at once.
+Every request's greedy tokens must equal stock ``-tp 2``'s (no DCP, no
+speculation, vLLM's defaults) for the same prompt.
 
 Each run proves its conditions from vLLM's own data, so it fails rather
 than passes when vLLM turns a feature off: the scheduler's own output per
@@ -312,11 +313,14 @@ def test_dspark_acceptance_with_prefix_hits_equals_dcp1(workdir, markov_draft):
 
 def test_ngram_dcp2_serving_features_equal_plain_tp2(workdir, plain_tp2):
     """n-gram matching one-token suffixes (this model's output rarely repeats
-    longer ones) verifies blocks of up to 1 + NGRAM_K tokens on many steps:
-    verify blocks, chunks and hits are proved. A verify beside a chunk and a
-    cut block are the DSpark runs': n-gram drafts only once a context repeats
-    a token, mostly after the prompts' chunks, and none of its runs had
-    blocks enough at once to fill the budget."""
+    longer ones) on its own waves (``make_ngram_waves``): every context holds
+    every ordinary token, so each request verifies a block of 1 + NGRAM_K
+    tokens from its first output on (drafts almost all rejected): the second
+    wave's prompts prefill their uncached tails beside the first ones'
+    blocks, and five blocks of 8 (40) exceed the budget, which cuts the
+    fifth. Seen: 243 verify blocks, 15 steps with a chunk beside verify
+    blocks, 19 cut blocks, 7 prefix hits of 224 tokens; with a budget of 64
+    no block was cut and this test failed."""
     run = generate(workdir, "ngram_dcp2_i16", dcp=2, interleave=16, ngram=NGRAM_K,
                    waves="ngram_wave")
     what = "-tp 2 -dcp 2 (interleave 16) + n-gram, prefix caching + chunked prefill"
