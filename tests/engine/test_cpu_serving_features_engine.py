@@ -8,9 +8,10 @@ token budget that chunks long prompts in steps that also verify and draft,
 and cuts verify blocks; the prompts come in two waves sharing long
 prefixes (6 and 4 blocks of 16), the second wave after the first has
 finished, so it hits the prefix cache (a prefill whose context is a cached
-prefix spread over the DCP ranks). Every request's greedy tokens must equal
-stock ``-tp 2``'s (no DCP, no speculation, vLLM's defaults) for the same
-prompt.
+prefix spread over the DCP ranks); the n-gram run has two waves of its
+own, prompts holding every ordinary token, so that n-gram drafts at once.
+Every request's greedy tokens must equal stock ``-tp 2``'s (no DCP, no
+speculation, vLLM's defaults) for the same prompt.
 
 Each run proves its conditions from vLLM's own data, so it fails rather
 than passes when vLLM turns a feature off: the scheduler's own output per
@@ -105,9 +106,26 @@ def make_waves() -> list[list[list[int]]]:
     return [first, second]
 
 
+def make_ngram_waves() -> list[list[list[int]]]:
+    """The n-gram run's own waves: prompts starting with ``p``, every
+    ordinary token once (252), so the context holds every token the model
+    outputs and n-gram drafts k tokens from a request's first output on.
+    The first wave's prompt fills the cache (in chunks); the second's seven
+    hit 224 tokens of ``p``, prefill the rest beside the first ones' verify
+    blocks, and five or six verifying blocks of 8 fill the budget (cuts)."""
+    gen = torch.Generator().manual_seed(40)
+    p = (torch.randperm(252, generator=gen) + 4).tolist()
+    suffixes = [torch.randint(4, 256, (n,), generator=gen).tolist()
+                for n in (8, 5, 9, 3, 12, 7, 10, 6)]
+    return [[p + suffixes[0]], [p + x for x in suffixes[1:]]]
+
+
 WAVES = make_waves()
 PROMPTS = [prompt for wave in WAVES for prompt in wave]
 WAVE_OF = [w for w, wave in enumerate(WAVES) for _ in wave]
+NGRAM_WAVES = make_ngram_waves()
+NGRAM_PROMPTS = [prompt for wave in NGRAM_WAVES for prompt in wave]
+NGRAM_WAVE_OF = [w for w, wave in enumerate(NGRAM_WAVES) for _ in wave]
 _RUNS: dict[tuple, dict] = {}
 
 
@@ -115,9 +133,10 @@ _RUNS: dict[tuple, dict] = {}
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("serving-features")
     build_tiny_mla_checkpoint(root / "target")
-    (root / "prompts.json").write_text(json.dumps(PROMPTS))
-    for w, wave in enumerate(WAVES, 1):
-        (root / f"wave{w}.json").write_text(json.dumps(wave))
+    (root / "prompts.json").write_text(json.dumps(PROMPTS + NGRAM_PROMPTS))
+    for prefix, waves in (("wave", WAVES), ("ngram_wave", NGRAM_WAVES)):
+        for w, wave in enumerate(waves, 1):
+            (root / f"{prefix}{w}.json").write_text(json.dumps(wave))
     return root
 
 
@@ -136,10 +155,11 @@ def engine_env(tp: int, step_log: Path | None = None, dspark: bool = False) -> d
 
 
 def generate(workdir: Path, name: str, *, tp=2, dcp=1, interleave=1, draft=None,
-             ngram=0, features=True) -> dict:
+             ngram=0, features=True, waves="wave") -> dict:
     """One offline engine run (``greedy_run.py``, cached by ``name``): with
-    ``features`` the two waves with prefix caching, chunked prefill, the
-    budget and the step log; without, all prompts at once with both off."""
+    ``features`` two waves (files ``{waves}1.json``, ``{waves}2.json``) with
+    prefix caching, chunked prefill, the budget and the step log; without,
+    all prompts (``PROMPTS + NGRAM_PROMPTS``) at once with both off."""
     if name in _RUNS:
         return _RUNS[name]
     step_log = workdir / f"{name}.steps.jsonl" if features else None
@@ -149,8 +169,8 @@ def generate(workdir: Path, name: str, *, tp=2, dcp=1, interleave=1, draft=None,
            "--max-tokens", str(MAX_TOKENS), "--max-num-seqs", str(MAX_NUM_SEQS),
            "--ngram", str(ngram)]
     if features:
-        cmd += ["--prompts-json", str(workdir / "wave1.json"),
-                "--second-wave-json", str(workdir / "wave2.json"),
+        cmd += ["--prompts-json", str(workdir / f"{waves}1.json"),
+                "--second-wave-json", str(workdir / f"{waves}2.json"),
                 "--max-num-batched-tokens", str(BUDGET), "--step-log", str(step_log),
                 *SERVING_FEATURES]
     else:
@@ -175,8 +195,11 @@ def generate(workdir: Path, name: str, *, tp=2, dcp=1, interleave=1, draft=None,
 def plain_tp2(workdir) -> dict:
     """Stock ``-tp 2``: no DCP, no speculation, all prompts at once, prefix
     caching and chunked prefill off (as vLLM runs MLA on CPU without this
-    project: no context path at all)."""
-    return generate(workdir, "plain_tp2", features=False)
+    project: no context path at all). ``tokens``: those of ``PROMPTS``;
+    ``ngram_tokens``: those of ``NGRAM_PROMPTS``."""
+    run = generate(workdir, "plain_tp2", features=False)
+    n = len(PROMPTS)
+    return {**run, "tokens": run["tokens"][:n], "ngram_tokens": run["tokens"][n:]}
 
 
 @pytest.fixture(scope="module")
@@ -201,16 +224,17 @@ def assert_same_tokens(got: list[list[int]], want: list[list[int]], what: str,
             f"{first}: {g[first:first + 8]} vs {w[first:first + 8]}")
 
 
-def assert_serving_features_ran(run: dict, what: str, speculating: bool = True) -> None:
+def assert_serving_features_ran(run: dict, what: str, speculating: bool = True,
+                                wave_of: list[int] = WAVE_OF) -> None:
     """Prefix hits, chunks and (speculating) chunks beside verify blocks and
     cut blocks, each seen in vLLM's own output of this run."""
     events, counters = run["events"], run["counters"]
-    second = [c for c, w in zip(run["num_cached_tokens"], WAVE_OF) if w == 1]
+    second = [c for c, w in zip(run["num_cached_tokens"], wave_of) if w == 1]
     features = run["features"]  # vLLM's config (greedy_run stops where it is off)
     assert features["enable_prefix_caching"] and features["enable_chunked_prefill"], (
         what, features)
     assert features["max_num_batched_tokens"] == BUDGET, (what, features)
-    # Four of the five second-wave prompts start with a cached prefix: each
+    # At least four second-wave prompts start with a cached prefix: each
     # hits at least one block of the DCP group (W x 16 tokens; with a DSpark
     # draft vLLM leaves the last hit block to be recomputed, as for EAGLE).
     assert sum(c >= HIT_BLOCK for c in second) >= 4, (what, run["num_cached_tokens"])
@@ -233,9 +257,10 @@ def acceptance(run: dict) -> tuple[int, int, int]:
 def test_plain_tokens_are_not_degenerate(plain_tp2):
     """Varied, prompt-dependent output: prompts sharing a prefix must still
     differ (a model repeating one token would hide attention errors)."""
-    for seq in plain_tp2["tokens"]:
+    tokens = plain_tp2["tokens"] + plain_tp2["ngram_tokens"]
+    for seq in tokens:
         assert len(set(seq)) > MAX_TOKENS // 3
-    assert len({tuple(seq[:8]) for seq in plain_tp2["tokens"]}) == len(PROMPTS)
+    assert len({tuple(seq[:8]) for seq in tokens}) == len(PROMPTS + NGRAM_PROMPTS)
 
 
 def test_dspark_runs_on_model_runner_v2(workdir, markov_draft, plain_tp2):
@@ -288,16 +313,21 @@ def test_dspark_acceptance_with_prefix_hits_equals_dcp1(workdir, markov_draft):
 
 def test_ngram_dcp2_serving_features_equal_plain_tp2(workdir, plain_tp2):
     """n-gram matching one-token suffixes (this model's output rarely repeats
-    longer ones) verifies blocks of up to 1 + NGRAM_K tokens on many steps:
-    verify blocks, chunks and hits are proved. A verify beside a chunk and a
-    cut block are the DSpark runs': n-gram drafts only once a context repeats
-    a token, mostly after the prompts' chunks, and none of its runs had
-    blocks enough at once to fill the budget."""
-    run = generate(workdir, "ngram_dcp2_i16", dcp=2, interleave=16, ngram=NGRAM_K)
+    longer ones) on its own waves (``make_ngram_waves``): every context holds
+    every ordinary token, so each request verifies a block of 1 + NGRAM_K
+    tokens from its first output on (drafts almost all rejected): the second
+    wave's prompts prefill their uncached tails beside the first ones'
+    blocks, and five blocks of 8 (40) exceed the budget, which cuts the
+    fifth. Seen: 243 verify blocks, 15 steps with a chunk beside verify
+    blocks, 19 cut blocks, 7 prefix hits of 224 tokens; with a budget of 64
+    no block was cut and this test failed."""
+    run = generate(workdir, "ngram_dcp2_i16", dcp=2, interleave=16, ngram=NGRAM_K,
+                   waves="ngram_wave")
     what = "-tp 2 -dcp 2 (interleave 16) + n-gram, prefix caching + chunked prefill"
-    assert_serving_features_ran(run, what, speculating=False)
+    assert_serving_features_ran(run, what, wave_of=NGRAM_WAVE_OF)
     assert run["events"]["verify_blocks"] >= 20, run["events"]
-    assert_same_tokens(run["tokens"], plain_tp2["tokens"], f"{what} vs -tp 2")
+    assert_same_tokens(run["tokens"], plain_tp2["ngram_tokens"], f"{what} vs -tp 2",
+                       NGRAM_PROMPTS)
 
 
 # --- vllm serve over HTTP: preemption, aborts, idle KV usage, re-sent prompts ---
