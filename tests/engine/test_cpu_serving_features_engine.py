@@ -351,7 +351,7 @@ def post(url: str, body: dict, timeout: float = ENGINE_TIMEOUT_S):
     return urllib.request.urlopen(request, timeout=timeout)
 
 
-def completion_body(model: str, prompt: list[int], stream: bool = False,
+def completion_body(model: str, prompt: list[int] | list[list[int]], stream: bool = False,
                     max_tokens: int = MAX_TOKENS) -> dict:
     """Greedy OpenAI completion of a token-id prompt, token ids returned."""
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens,
@@ -362,6 +362,18 @@ def completion_body(model: str, prompt: list[int], stream: bool = False,
 def complete(base_url: str, model: str, prompt: list[int]) -> list[int]:
     with post(f"{base_url}/completions", completion_body(model, prompt)) as resp:
         return json.load(resp)["choices"][0]["token_ids"]
+
+
+def complete_together(base_url: str, model: str, prompts: list[list[int]]
+                      ) -> list[list[int]]:
+    """One completion request of every prompt (a batched token-id prompt):
+    vLLM's API server hands them to the engine together, so they start in
+    the same step (separate connections may arrive steps apart on a loaded
+    machine); each prompt's token ids, in order."""
+    with post(f"{base_url}/completions", completion_body(model, prompts)) as resp:
+        choices = sorted(json.load(resp)["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(prompts)
+    return [choice["token_ids"] for choice in choices]
 
 
 def stream_then_abort(base_url: str, model: str, prompt: list[int]) -> int:
@@ -471,7 +483,9 @@ def test_vllm_serve_dspark_dcp2_preemption_and_aborts(dspark_server, plain_tp2):
     server, model, step_log = dspark_server
     url = server.base_url
     first, second = WAVES
-    tokens = concurrently([lambda p=p: complete(url, model, p) for p in first])
+    # The first wave starts together: its short prompts verify beside the
+    # long ones' chunks, five blocks in a step (one cut by the budget).
+    tokens = complete_together(url, model, first)
     # The second wave, and streams of its first prompts the clients drop.
     aborts = [lambda p=second[i]: stream_then_abort(url, model, p) for i in ABORTED]
     results = concurrently([lambda p=p: complete(url, model, p) for p in second] + aborts)
