@@ -267,9 +267,14 @@ def test_triton_path_lone_request_fa3_merges_to_full_attention(
     """A lone bf16 request per rank on Hopper runs FA3 with its plan made
     on the device (no FlashMLA call), ranks with no key (a request shorter
     than W x I) included; every rank's rows merge to full attention. A
-    batch of two requests keeps FlashMLA (checked at W 2)."""
+    batch of more requests than ``FA3_MAX_REQS`` keeps FlashMLA (checked at
+    W 2)."""
     monkeypatch.setitem(CASES, "lone", ([seq_len], [NUM_SPEC + 1]))
-    monkeypatch.setitem(CASES, "pair", ([seq_len, 129], [NUM_SPEC + 1] * 2))
+    from vllm.v1.attention.ops.flashmla_fa3_rows import FA3_MAX_REQS
+
+    more = FA3_MAX_REQS + 1
+    monkeypatch.setitem(CASES, "more", ([seq_len] + [129] * FA3_MAX_REQS,
+                                        [NUM_SPEC + 1] * more))
     scale = random_decode_batch([1], [1], block_size=BLOCK_SIZE,
                                 num_heads=NUM_HEADS).scale
     with _fa3_on_a_fake_hopper(flashmla, monkeypatch, scale=scale) as wrapper:
@@ -283,7 +288,7 @@ def test_triton_path_lone_request_fa3_merges_to_full_attention(
             return
         out, lse, ref_out, ref_lse = _run_ranks(
             flashmla, tmp_path, world=world, interleave=interleave, causal=causal,
-            shape="pair", fp8=False, seed=world)
+            shape="more", fp8=False, seed=world)
         assert flashmla.kernel.calls and wrapper.runs == world * NUM_LAYERS
         torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
 
