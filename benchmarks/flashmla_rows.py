@@ -9,8 +9,10 @@ length 8 x local), so the verify tails are the deployed ones.
 
 ``layer`` (one layer, CUDA-graph replay median, ``benchmarks._common.time_ms``):
 - ``dcp``: ``FlashMLADCPImpl.forward_mqa`` on the builder's plan
-  (``FlashMLARowPlanner``): FlashMLA over each request's shared prefix, the
-  verify tails, the empty-row mask; bf16 or fp8 cache;
+  (``FlashMLARowPlanner``, with ``FA3RowPlans`` as the builder gives it on
+  Hopper: a lone bf16 request runs FA3): FlashMLA over each request's shared
+  prefix, the verify tails, the empty-row mask; bf16 or fp8 cache;
+  ``--no-fa3`` plans FlashMLA for every batch (the rows before FA3);
 - ``alone``: vLLM's FlashMLA as upstream's FLASHMLA calls it without DCP
   over the same ``local`` keys (``causal=True`` for verify, ``False`` for the
   draft block): the cost of DCP is dcp / alone;
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import statistics
 import tempfile
@@ -115,21 +118,27 @@ class Point:
             _k_scale=torch.tensor([K_SCALE if fp8 else 1.0], device=dev),
             _q_scale_float=Q_SCALE if fp8 else 1.0, _k_scale_float=K_SCALE if fp8 else 1.0)
 
-    def dcp_fn(self, cache_index=0):
-        """The FLASHMLA impl's ``forward_mqa`` on this point's plan."""
+    def dcp_fn(self, cache_index=0, fa3=True):
+        """The FLASHMLA impl's ``forward_mqa`` on this point's plan (with the
+        builder's FA3 for a lone bf16 request unless ``fa3`` is False)."""
         from tests.support.builder_harness import make_mla_impl
         from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
         from vllm.v1.attention.backends.mla.flashmla_dcp_mla import FlashMLADCPImpl
         from vllm.v1.attention.ops.flashmla_dcp_rows import FlashMLARowPlanner
+        from vllm.v1.attention.ops.flashmla_fa3_rows import FA3RowPlans
         from vllm.utils.platform_utils import num_compute_units
 
         with rank0_of(self.world):
             impl = make_mla_impl(FlashMLADCPImpl, num_heads=self.heads, scale=self.scale,
                                  kv_cache_dtype="fp8" if self.fp8 else "auto")
+        fa3_plans = None if self.fp8 or not fa3 else FA3RowPlans(
+            num_heads=self.heads, page_size=PAGE, dtype=self.q.dtype,
+            max_cols=self.table.shape[1], num_sms=num_compute_units(0),
+            kv_lora_rank=DV, rope_dim=DR, device=self.q.device)
         planner = FlashMLARowPlanner(
             max_reqs=self.batch, max_rows=self.num_rows, num_heads=self.heads,
             kv_lora_rank=DV, fp8=self.fp8, num_sms=num_compute_units(0),
-            device=self.q.device)
+            device=self.q.device, fa3=fa3_plans)
         decode = DCPDecodeMetadata(
             block_table=self.table, seq_lens=self.local_lens,
             dcp_tot_seq_lens=self.local_lens * self.world, flat=self.flat,
@@ -138,7 +147,7 @@ class Point:
         decode.plan = planner.plan(self.flat, self.table, query_start_loc=self.qsl,
                                    query_start_loc_cpu=self.qsl.cpu(),
                                    num_rows=self.num_rows, causal=self.causal,
-                                   forward_id=1)
+                                   forward_id=1, sm_scale=lambda: self.scale)
         metadata = SimpleNamespace(decode=decode, max_seq_len=self.local)
         return lambda i=cache_index: impl.forward_mqa(self.q, self.caches[i],
                                                       metadata, self.layer)
@@ -268,7 +277,8 @@ def layer_part(args, gen):
                         point = Point(batch, local, args.q_len, heads, causal, fp8,
                                       WORLD, gen)
                         roof = roofline_us(batch, local, args.q_len, heads)
-                        paths = {"dcp": point.dcp_fn, "alone": point.alone_fn}
+                        paths = {"dcp": functools.partial(point.dcp_fn, fa3=args.fa3),
+                                 "alone": point.alone_fn}
                         if args.baselines:
                             paths["fi-fp8" if fp8 else "fa3"] = (
                                 point.flashinfer_fp8_fn if fp8 else point.fa3_fn)
@@ -304,32 +314,40 @@ def step_part(args, gen):
         for fp8 in (False, True):
             for batch, ctx in [(b, c) for b, c in ((1, 262144), (64, 131072))
                                if b in args.step_batch]:
+                # (world, FA3 for a lone bf16 request): W 1 alone, W 8 as
+                # deployed, and for bf16 W 8 on FlashMLA only (the rows before FA3).
+                runs = [(1, False), (WORLD, args.fa3)] + (
+                    [(WORLD, False)] if args.fa3 and not fp8 else [])
                 result = {}
-                for world in (1, WORLD):
+                for world, fa3 in runs:
                     local = ctx // world
                     per_cache = batch * local * (DV + DR) * (1 if fp8 else 2)
                     copies = max(1, min(args.layers, int(args.pool_gib * 2**30 // per_cache)))
                     point = Point(batch, local, args.q_len, heads, True, fp8, WORLD, gen,
                                   copies=copies)
-                    make = point.alone_fn if world == 1 else point.dcp_fn
-                    fns = [make(i) for i in range(copies)]
+                    fns = [point.alone_fn(i) if world == 1 else point.dcp_fn(i, fa3=fa3)
+                           for i in range(copies)]
 
                     def step(fns=fns):
                         for layer in range(args.layers):
                             fns[layer % len(fns)]()
 
-                    result[world] = time_ms(step, rep=20) * 1e3
+                    result[world, fa3] = time_ms(step, rep=20) * 1e3
                     del point, fns
                     torch.cuda.empty_cache()
-                ratio = result[WORLD] / result[1]
+                w1, w8 = result[1, False], result[WORLD, args.fa3]
+                without = result.get((WORLD, False))
                 print(f"step H={heads} {'fp8' if fp8 else 'bf16'} B={batch} "
-                      f"ctx={ctx // 1024}K: W1 {result[1]:.0f} us, W{WORLD} "
-                      f"{result[WORLD]:.0f} us, W{WORLD}/W1 {ratio:.4f} "
-                      f"(target <= {1.1 / WORLD:.4f})", flush=True)
+                      f"ctx={ctx // 1024}K: W1 {w1:.0f} us, W{WORLD} {w8:.0f} us, "
+                      f"W{WORLD}/W1 {w8 / w1:.4f}"
+                      + (f" (FlashMLA rows only: {without:.0f} us, {without / w1:.4f})"
+                         if without is not None else ""), flush=True)
                 rows.append(dict(part="step", heads=heads, kv="fp8" if fp8 else "bf16",
                                  batch=batch, ctx=ctx, layers=args.layers,
-                                 w1_us=round(result[1], 1),
-                                 w8_us=round(result[WORLD], 1), ratio=round(ratio, 4)))
+                                 w1_us=round(w1, 1), w8_us=round(w8, 1),
+                                 ratio=round(w8 / w1, 4),
+                                 w8_flashmla_only_us=(round(without, 1)
+                                                      if without is not None else "")))
     return rows
 
 
@@ -411,6 +429,9 @@ def main():
                     help="time only dcp and alone (no FA3 / FlashInfer fp8)")
     ap.add_argument("--step-batch", type=int, nargs="+", default=[1, 64],
                     help="the step part's batches (1: 1 x 256K, 64: 64 x 128K)")
+    ap.add_argument("--no-fa3", dest="fa3", action="store_false",
+                    help="plan the DCP rows on FlashMLA at every batch (no FA3 for "
+                         "a lone bf16 request)")
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name(0)}: roofline at {hbm_tbs()} TB/s, "
