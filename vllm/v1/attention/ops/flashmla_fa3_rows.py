@@ -9,8 +9,9 @@ one Triton launch per forward, no host sync, CUDA-graph replayable) and the
 same finishing launch (``mla_tail_merge.tail_merge``: the verify tails, the
 LSE in natural log, empty rows masked), took 0.72-0.99 of the FLASHMLA rows'
 time at batch 1 x 16-64K local keys, 96 and 128 heads, verify and DSpark
-blocks (benchmarks/RESULTS.md, run 23). At batch 8 FA3 is 1.5x slower (run
-22), and FlashInfer's fp8 MLA 3-7x slower than FlashMLA's: those keep
+blocks (benchmarks/RESULTS.md, run 23). At batch 2 it wins only at 16K
+local keys, at batch 4 it is up to 1.37x slower (run 24), at batch 8 1.5x
+(run 22), and FlashInfer's fp8 MLA 3-7x slower than FlashMLA's: those keep
 FlashMLA.
 
 ``FA3RowPlans`` owns, for one KV-cache group, one ``FlashInferSm90DevicePlan``
@@ -33,7 +34,9 @@ from vllm.v1.attention.ops.dcp_decode import FlatDecode
 __all__ = ["FA3_MAX_REQS", "FA3RowPlans", "fa3_rows_preferred"]
 
 # Requests per forward (CUDA-graph padding included) that FA3 takes: batch 1
-# measured faster at every point, batch 8 slower; 2-4 not measured yet.
+# measured faster at every point; batch 2 faster only at 16K local keys and
+# up to 1.05x slower at 64K, batch 4 up to 1.37x slower, batch 8 1.5x
+# (benchmarks/RESULTS.md, runs 22 and 24).
 FA3_MAX_REQS = 1
 # FlashInfer's float workspace: its partial outputs and LSEs, at most two
 # per cluster of 128 rows x 512 float32 columns (17 MB on 132 SMs).
