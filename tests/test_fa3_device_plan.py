@@ -74,6 +74,7 @@ def _device_plan(arrays, template, lens, table, *, q_len, page_stride):
     row_lens = torch.tensor([n for n in lens for _ in range(q_len)],
                             dtype=torch.int32, device=DEVICE)
     words = _workspace(arrays)
+    before = words.cpu().clone()  # .cpu() of a CPU tensor is itself
     row_prefix = torch.full((num_reqs * q_len,), -1, dtype=torch.int32, device=DEVICE)
     kv_indices = torch.full((num_reqs * page_stride,), -1, dtype=torch.int32,
                             device=DEVICE)
@@ -83,6 +84,15 @@ def _device_plan(arrays, template, lens, table, *, q_len, page_stride):
                   torch.tensor(template.work_chunk, **i32), row_prefix, kv_indices,
                   q_len=q_len, page_stride=page_stride)
     words = words.cpu()
+    # The launch writes only the works' three key fields in FlashInfer's
+    # workspace (its merge arrays, indptrs and the rest stay the template's)
+    # and only the block table's columns of each request's page slots.
+    rewritten = torch.zeros_like(before, dtype=torch.bool)
+    for at in (template.kv_len_at, template.kv_start_at, template.kv_end_at):
+        rewritten[at:at + template.num_works] = True
+    assert torch.equal(words[~rewritten], before[~rewritten]), "a stray workspace write"
+    unread = kv_indices.cpu().view(num_reqs, page_stride)[:, table.shape[1]:]
+    assert (unread == -1).all(), "a page slot past the block table written"
     planned = dict(arrays)
     for name, at in (("kv_len", template.kv_len_at), ("kv_start", template.kv_start_at),
                      ("kv_end", template.kv_end_at)):

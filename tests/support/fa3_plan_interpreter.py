@@ -2,10 +2,11 @@
 """FlashInfer's sm90 MLA plan arrays, executed in torch (the tests' reading of
 what ``mla_hopper.cuh`` does with them), and a uniform template of that plan.
 
-- ``run_plan``: every work attends its rows over its keys into the final
-  output or a partial, then every merge CTA merges its rows' partials by
-  LSE: what the kernel computes for a plan, in float64, as the contract the
-  device planner (``flashinfer_sm90_device_plan``) must keep.
+- ``run_plan``: every cluster's works (``work_indptr``) attend their rows
+  over their keys into the final output or a partial, then every merge CTA
+  merges its rows' partials by LSE: what the kernel computes for a plan, in
+  float64, as the contract the device planner
+  (``flashinfer_sm90_device_plan``) must keep.
 - ``uniform_template``: a plan with FlashInfer's layout for R uniform
   requests (cluster tiles of packed rows, every tile cut into the most
   chunks, partial rows per tile in chunk order, each tile's rows shared
@@ -38,8 +39,10 @@ def run_plan(arrays: dict, q: torch.Tensor, kv_cache: torch.Tensor,
     """Execute a FlashInfer sm90 MLA plan (non-causal).
 
     Args:
-        arrays: ``read_plan_arrays``' lists (work and merge fields, ``grid``:
-            ``[cluster size, clusters]``).
+        arrays: ``read_plan_arrays``' lists (work and merge fields,
+            ``work_indptr`` [clusters + 1]: cluster c's works, ``grid``:
+            ``[cluster size, clusters]``); a work no cluster runs, or one
+            run twice, fails an assertion.
         q: [T, H, D]; kv_cache: [P, page, D]; kv_indices: int [N] page ids
             (work w's key k is on page ``kv_indices[kv_indptr[w] + k //
             page]``).
@@ -55,7 +58,13 @@ def run_plan(arrays: dict, q: torch.Tensor, kv_cache: torch.Tensor,
     num_partial = max(arrays["partial_indptr"] + [0]) + tile_rows
     partial_o = torch.full((num_partial, kv_lora_rank), math.nan, dtype=torch.float64)
     partial_lse = torch.full((num_partial,), math.nan, dtype=torch.float64)
-    for w in range(len(arrays["q_indptr"])):
+    # Each cluster runs its works, [work_indptr[c], work_indptr[c + 1]).
+    indptr = arrays["work_indptr"]
+    assert len(indptr) == arrays["grid"][1] + 1, "work_indptr is not one per cluster"
+    runs = [w for c in range(len(indptr) - 1) for w in range(indptr[c], indptr[c + 1])]
+    assert sorted(runs) == list(range(len(arrays["q_indptr"]))), (
+        "work_indptr does not run every work once")
+    for w in runs:
         q_at, kv_at, partial, q_len, kv_len, q_start, start, end = (
             arrays[name][w] for name in WORK_FIELDS)
         packed = torch.arange(q_start, min(q_start + tile_rows, q_len * num_heads))
