@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import types
 
 import torch
@@ -221,19 +220,11 @@ class PlannedFA3Wrapper:
 def flashinfer_planned_fa3():
     """``flashinfer.mla`` is a module with ``PlannedFA3Wrapper`` (and
     ``MLAPlanMetadata``) inside the ``with``; the key is restored after."""
-    from tests.support.flashinfer_fa3_fake import FakePlanMetadata
+    from tests.support.flashinfer_fa3_fake import FakePlanMetadata, flashinfer_mla_as
 
-    missing = object()
-    before = sys.modules.get("flashinfer.mla", missing)
     mla = types.ModuleType("flashinfer.mla")
     mla.BatchMLAPagedAttentionWrapper = PlannedFA3Wrapper
     mla.MLAPlanMetadata = FakePlanMetadata
-    sys.modules["flashinfer.mla"] = mla
     PlannedFA3Wrapper.runs = 0
-    try:
+    with flashinfer_mla_as(mla):
         yield PlannedFA3Wrapper
-    finally:
-        if before is missing:
-            sys.modules.pop("flashinfer.mla", None)
-        else:
-            sys.modules["flashinfer.mla"] = before

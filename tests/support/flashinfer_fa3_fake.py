@@ -113,17 +113,24 @@ def fake_flashinfer_package() -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def flashinfer_mla_faked():
-    """``sys.modules["flashinfer.mla"]`` is the fake inside the ``with``;
+def flashinfer_mla_as(module: types.ModuleType):
+    """``sys.modules["flashinfer.mla"]`` is ``module`` inside the ``with``;
     only that key is restored after (modules first imported inside stay)."""
     missing = object()
     before = sys.modules.get("flashinfer.mla", missing)
-    sys.modules["flashinfer.mla"] = fake_flashinfer_package().mla
-    FakeFA3Wrapper.calls = []
+    sys.modules["flashinfer.mla"] = module
     try:
-        yield FakeFA3Wrapper
+        yield
     finally:
         if before is missing:
             sys.modules.pop("flashinfer.mla", None)
         else:
             sys.modules["flashinfer.mla"] = before
+
+
+@contextlib.contextmanager
+def flashinfer_mla_faked():
+    """``flashinfer.mla`` is the fake inside the ``with`` (``flashinfer_mla_as``)."""
+    FakeFA3Wrapper.calls = []
+    with flashinfer_mla_as(fake_flashinfer_package().mla):
+        yield FakeFA3Wrapper
