@@ -127,6 +127,7 @@ class DCPDecodeBuilderMixin:
         self._dcp_causal = True
         self._dcp_forward_ids = itertools.count(1)
         self._dcp_layer_names = list(layer_names)
+        self._dcp_softmax_scale: float | None = None
         # Sized once, before any CUDA graph is captured: a graph replays
         # into these exact tensors.
         self._dcp_rows: FlatDecode | None = None
@@ -156,15 +157,18 @@ class DCPDecodeBuilderMixin:
     def _group_softmax_scale(self, what: str) -> float:
         """The softmax scale of the group's layers, read off their impls (as
         vLLM's FlashInfer builder does), for a kernel planned once for every
-        layer; ``what`` names that kernel in the error."""
-        context = self.vllm_config.compilation_config.static_forward_context
-        scales = {getattr(getattr(context[name], "impl", None), "scale", None)
-                  for name in self._dcp_layer_names}
-        if len(scales) != 1 or None in scales:
-            raise ValueError(
-                f"{what} plans one softmax scale per KV-cache group; its layers "
-                f"have {sorted(map(str, scales))}")
-        return scales.pop()
+        layer; ``what`` names that kernel in the error. Read once (the
+        layers' impls exist by the first plan), not per forward."""
+        if self._dcp_softmax_scale is None:
+            context = self.vllm_config.compilation_config.static_forward_context
+            scales = {getattr(getattr(context[name], "impl", None), "scale", None)
+                      for name in self._dcp_layer_names}
+            if len(scales) != 1 or None in scales:
+                raise ValueError(
+                    f"{what} plans one softmax scale per KV-cache group; its layers "
+                    f"have {sorted(map(str, scales))}")
+            self._dcp_softmax_scale = scales.pop()
+        return self._dcp_softmax_scale
 
     def _dcp_row_buffers(self, num_rows: int, num_blocks: int) -> FlatDecode:
         """The persistent rows; a batch beyond them is a configuration error,
