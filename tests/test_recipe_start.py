@@ -303,12 +303,13 @@ AGREEMENT_CASES = [
      f"'{_spec(num_speculative_tokens=8, attention_backend='TOKENSPEED_MLA')}'",
      "num_speculative_tokens"),
     # Kimi-K3 is hybrid: vLLM aligns its block size to a multiple of 128
-    # whatever --block-size says, and Tokenspeed pages that by 64.
+    # after selection, but its selector judges the named Tokenspeed (pages
+    # by 32 or 64) at --block-size 16 and refuses it.
     ("sm100-tokenspeed-block-16", 10,
      "-tp 8 -dcp 8 --kv-cache-dtype fp8 --block-size 16 "
      f"--attention-config '{SM100_PREFILL}' "
      f"--speculative-config '{_spec(attention_backend='TOKENSPEED_MLA')}'",
-     None),
+     "leave --block-size 16 out"),
     # An interleave past the block size vLLM will use (Kimi-K3's 128, its
     # hybrid alignment), no --block-size and no backend named: the engine
     # core's KV-cache set-up asserts; the block size the refusal names starts.
@@ -355,6 +356,7 @@ WORKER_REFUSALS = {
     "sm100-fp8-i256": (AssertionError, "Block_size(128) should be greater than or "
                        "equal to and divisible by cp_kv_cache_interleave_size (256)"),
     "sm100-flash-attn-named": "compute capability not supported",
+    "sm100-tokenspeed-block-16": "block_size not supported",
 }
 
 

@@ -194,13 +194,12 @@ def gpu_engine_config(model_dir, **flags):
 
 
 def check_as_gpu(config, major: int) -> None:
-    """The start-up checks on ``config``, the platform answering as sm{major}0."""
-    from types import SimpleNamespace
-
-    from vllm.platforms.interface import DeviceCapability
+    """The start-up checks on ``config`` as on an sm{major}0 host: vLLM's
+    CUDA platform code, the plugin's overrides registered, vLLM asked in
+    this process (a GPU host asks in a child process)."""
+    from tests.support.gpu_config import on_cuda_host
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
-    gpu = SimpleNamespace(is_cpu=lambda: False,
-                          get_device_capability=lambda: DeviceCapability(major, 0))
-    with mock.patch("vllm.platforms.current_platform", gpu):
+    with on_cuda_host(major), plugin_registered(True), \
+            mock.patch.object(dcp_startup_checks, "ASK_IN_CHILD_PROCESS", False):
         dcp_startup_checks.check_vllm_config(config)

@@ -502,7 +502,11 @@ def check_on_cuda(config, major: int) -> None:
     """The CUDA platform's config hook on ``config`` as on an sm``major``0
     GPU, the plugin's start-up checks appended to it as the plugin installs
     them there (``build_config`` left them out)."""
-    with on_cuda_host(major) as cuda_platform, _startup_checks_on(cuda_platform):
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
+
+    with on_cuda_host(major) as cuda_platform, _startup_checks_on(cuda_platform), \
+            plugin_registered(True), \
+            mock.patch.object(dcp_startup_checks, "ASK_IN_CHILD_PROCESS", False):
         cuda_platform.check_and_update_config(config)
 
 

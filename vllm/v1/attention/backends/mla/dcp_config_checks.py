@@ -80,70 +80,14 @@ LIMITS = {limits.name: limits for limits in (
     DCPLimits("CUTLASS_MLA", (10,), UNQUANTIZED + FP8, (128,), non_causal=False,
               dspark=False, latent=None, overridden=False),
 )}
-# vLLM's dense MLA order per GPU generation (``CudaPlatform``'s priorities),
-# up to TRITON_MLA, which serves everywhere.
-MLA_ORDER = {9: ("FLASH_ATTN_MLA", "FLASHMLA", "FLASHINFER_MLA", "TRITON_MLA"),
-             10: ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CUTLASS_MLA",
-                  "FLASH_ATTN_MLA", "FLASHMLA", "TRITON_MLA")}
 FALLBACK = "TRITON_MLA"
 FLASHINFER_MLA, TOKENSPEED_MLA, FLASHMLA = "FLASHINFER_MLA", "TOKENSPEED_MLA", "FLASHMLA"
 FLASH_ATTN_MLA, TRITON_MLA, CPU_MLA = "FLASH_ATTN_MLA", "TRITON_MLA", "CPU_MLA"
 
 
-def mla_order(gpu_major: int | None) -> tuple[str, ...]:
-    return MLA_ORDER.get(gpu_major, (FALLBACK,))
-
-
-# vLLM's hybrid alignment (``Platform._align_hybrid_block_size``): an MLA
-# model with recurrent-state layers (Kimi-K3's KDA) gets a block size that is
-# a multiple of 128 (and at least the one it had), so that the attention
-# page covers the state's; it may override --block-size.
-HYBRID_MLA_BLOCK_ALIGNMENT = 128
-
-
-def hybrid_aligned(vllm_config, block_size: int | None) -> int | None:
-    """The block size vLLM's hybrid alignment leaves ``block_size`` at for a
-    hybrid MLA model (GPU platforms; vLLM's CPU platform fixes MLA's block
-    size itself); ``block_size`` for any other."""
-    model = getattr(vllm_config, "model_config", None)
-    if model is not None and model.use_mla and getattr(model, "is_hybrid", False):
-        return max(block_size or 0, HYBRID_MLA_BLOCK_ALIGNMENT)
-    return block_size
-
-
-def preferred_block_size(backends) -> int:
-    """The block size vLLM's ``update_block_size_for_backend`` gives layers of
-    ``backends`` (names) without --block-size: its default if every one
-    pages by it, else the smallest common multiple of one kernel size each
-    that all page by (``_preferred_block_size_for_backends``)."""
-    from vllm.config.cache import CacheConfig
-
-    limits = [LIMITS[name] for name in backends]
-    candidates = {CacheConfig.DEFAULT_BLOCK_SIZE}
-    if not all(each.pages_by(CacheConfig.DEFAULT_BLOCK_SIZE) for each in limits):
-        candidates = {1}
-        for each in limits:
-            candidates = {math.lcm(c, size) for c in candidates
-                          for size in each.kernel_block_sizes}
-    return min(c for c in candidates if all(each.pages_by(c) for each in limits))
-
-
-def default_block_size(backend: str) -> int:
-    """The block size vLLM gives ``backend`` alone without --block-size."""
-    return preferred_block_size([backend])
-
-
-def backend_block_size(backend: str, block_size: int | None, vllm_config) -> int:
-    """The block size vLLM pages ``backend`` with, from the ``block_size``
-    its selector passes (``--block-size`` if given, else None: a worker later
-    gives the backend ``default_block_size``), hybrid alignment included."""
-    aligned = hybrid_aligned(vllm_config, block_size)
-    return default_block_size(backend) if aligned is None else aligned
-
-
 def _alternatives(s: DCPSetting, exclude: str) -> str:
     """The backends that run ``s``'s GPU and KV dtype for its model."""
-    names = [name for name, each in ((n, LIMITS[n]) for n in mla_order(s.gpu_major))
+    names = [name for name, each in LIMITS.items()
              if name not in (exclude, FALLBACK) and each.overridden
              and s.gpu_major in (each.gpu_majors or ())
              and each.reads(s.kv_cache_dtype, s.gpu_major)
@@ -180,13 +124,15 @@ def layout_problems(s: DCPSetting, limits: DCPLimits | None = None) -> list[str]
     return problems
 
 
-def problems(limits: DCPLimits, s: DCPSetting, *,
+def problems(limits: DCPLimits, s: DCPSetting, *, layout: bool = True,
              kernel_blocks: bool = True) -> list[str]:
     """Why ``limits``' backend cannot run setting ``s`` (none: []);
-    ``kernel_blocks``: judge ``s.block_size`` against the kernel's (not in a
-    builder, whose group vLLM already paged by them)."""
+    ``layout``: judge -dcp against -tp and ``s.block_size`` against the
+    interleave (not at selection, before vLLM sets the block size);
+    ``kernel_blocks``: the block size against the kernel's pages (on a GPU
+    vLLM's own block-size code answers that)."""
     name, flag = limits.name, DRAFT_FLAG if s.draft else TARGET_FLAG
-    found = layout_problems(s, limits)
+    found = layout_problems(s, limits) if layout else []
     if kernel_blocks and s.dcp_size > 1 and not limits.pages_by(s.block_size):
         sizes = " or ".join(map(str, limits.kernel_block_sizes))
         found.append(f"{name} pages the KV cache by {sizes} tokens, not "
@@ -262,11 +208,10 @@ def raise_if_unsupported(backend: str, setting: DCPSetting,
 class DCPLimitsSelection:
     """Mixin for a DCP backend class (first in its bases) with a
     ``dcp_limits`` record: under DCP vLLM's selection
-    (``validate_configuration``) judges the block size the layers will be
-    paged with (for Kimi-K3 the hybrid alignment, not the provisional size a
-    DSpark draft's rebuilt cache config passes) and declines a setting the
-    record does not serve, so that vLLM's order moves on (or a named
-    backend is refused with the record's reasons)."""
+    (``validate_configuration``) declines a setting the record does not
+    serve, so that vLLM's order moves on (or a named backend is refused with
+    the record's reasons). The block size is vLLM's to judge: its own hooks
+    at selection, its block-size code and ``validate_block_size`` after."""
 
     dcp_limits: DCPLimits
 
@@ -274,8 +219,6 @@ class DCPLimitsSelection:
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size,
                                *args, **kwargs) -> list[str]:
         vllm_config = get_current_vllm_config()
-        if current_dcp_size() > 1:
-            block_size = hybrid_aligned(vllm_config, block_size)
         reasons = super().validate_configuration(  # type: ignore[misc]
             head_size, dtype, kv_cache_dtype, block_size, *args, **kwargs)
         capability = kwargs.get("device_capability")
@@ -286,12 +229,10 @@ class DCPLimitsSelection:
             vllm_config.attention_config, "use_non_causal", False)
         setting = DCPSetting.from_vllm_config(vllm_config, capability.major,
                                               draft=draft)
-        setting = dataclasses.replace(
-            setting, block_size=backend_block_size(cls.dcp_limits.name, block_size,
-                                                   vllm_config),
-            kv_cache_dtype=(setting.kv_cache_dtype if kv_cache_dtype is None
-                            else str(kv_cache_dtype)))
-        return reasons + problems(cls.dcp_limits, setting)
+        if kv_cache_dtype is not None:
+            setting = dataclasses.replace(setting, kv_cache_dtype=str(kv_cache_dtype))
+        return reasons + problems(cls.dcp_limits, setting, layout=False,
+                                  kernel_blocks=False)
 
 
 def current_gpu_major() -> int | None:

@@ -12,183 +12,222 @@ At any ``-dcp``: on CPU, DSpark without ``VLLM_DCP_CPU_MRV2=1`` names that
 switch; on CUDA, Kimi-K3 over a plain fp8 cache on sm100 without an fp8
 prefill query names ``--attention-config`` (``k3_fp8_prefill``).
 
-Under DCP, each model's MLA layers (the target's, a DSpark draft's) get the
-backend vLLM will run: the one named, else the first of vLLM's order on
-this GPU whose selection accepts them (each backend's ``DCPLimits``); on
-CPU vLLM's own selector answers. At the block size vLLM then pages them all
-with (``--block-size``, else the picks' common preferred size; Kimi-K3's
-hybrid alignment) every problem of each model's setting is refused, naming
-the flag and the ``--block-size`` that starts both models on a fast DCP
-backend where one does. vLLM's own choice falling to TRITON_MLA at an
-explicit ``--block-size`` is warned once (refused where it is the
-provisional size a draft's own ``"kv_cache_dtype"`` passes).
+Under DCP on a GPU the check asks vLLM (``dcp_vllm_answer``: in a spawned
+child process, see there) which backend its selector gives the target's
+and the draft's MLA layers and which block size its own code pages them
+with, and judges only what DCP adds: vLLM refusing the layers or the block
+size (the interleave), each picked backend's DCP limits at that block size,
+and vLLM's own choice falling to TRITON_MLA where a ``--block-size`` starts
+every model on a fast DCP backend (refused without ``--block-size``, warned
+once with it). Each refusal names the flag, and the value that works where
+asking vLLM again finds one. On CPU vLLM's own selector answers for
+CPU_MLA, whose block size vLLM's CPU platform fixes.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import NamedTuple
 
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
+from vllm.v1.attention.backends.mla import dcp_vllm_answer as vllm_answer
 from vllm.v1.attention.backends.mla import k3_fp8_prefill
 from vllm.v1.attention.backends.mla.dcp_settings import DCPSetting
+from vllm.v1.attention.backends.mla.dcp_vllm_answer import dense_mla_latent
 
 logger = init_logger(__name__)
 
+__all__ = ["check_vllm_config", "dense_mla_latent", "install", "judge"]
+
 _MARK = "_dcp_dspark_startup_checks"
+FALLBACK = "TRITON_MLA"
+# Block sizes tried for a fix, each rounded up to a multiple of the interleave.
+_FIX_BLOCK_SIZES = (16, 32, 64, 128, 256)
+# On a GPU vLLM is asked in a spawned child process; tests that fake a GPU's
+# platform in this process ask here.
+ASK_IN_CHILD_PROCESS = True
 
 
-class _Model(NamedTuple):
-    """One model's MLA layers: the backend named for them (by ``flag``) and
-    the block size vLLM's selector passes for them (None: not given)."""
-
-    draft: bool
-    named: str | None
-    flag: str
-    passed_block_size: int | None
+class Verdict(NamedTuple):
+    error: str | None = None  # raised as ValueError
+    warning: str | None = None  # logged once
 
 
-class _Start(NamedTuple):
-    model: _Model
-    backend: str
-    problems: list[str]
+def _layers(layer: vllm_answer.LayersAnswer) -> str:
+    return "the DSpark draft's layers" if layer.draft else "the model's layers"
 
 
-def _models(vllm_config, block_size: int | None) -> list[_Model]:
-    """Each model's MLA layers, ``block_size`` passed as --block-size."""
-    from vllm.config.cache import CacheConfig
-
-    attention, cache = vllm_config.attention_config, vllm_config.cache_config
-    spec = vllm_config.speculative_config
-    if getattr(attention, "use_non_causal", False):
-        # A non-causal drafter's own config, rebuilt by vLLM's DSpark loader
-        # in each worker: its block size passed as given.
-        return [_Model(True, _name(attention.backend), checks.DRAFT_FLAG,
-                       cache.block_size)]
-    models = [_Model(False, _name(attention.backend), checks.TARGET_FLAG, block_size)]
-    if spec is not None and (spec.method == "dspark"
-                             or spec.attention_backend is not None):
-        # The loader rebuilds the cache config of a draft with its own
-        # kv_cache_dtype, passing the provisional block size as if given.
-        own_dtype = getattr(spec, "kv_cache_dtype", None) is not None
-        provisional = CacheConfig.DEFAULT_BLOCK_SIZE if own_dtype else None
-        models.append(_Model(True, _name(spec.attention_backend), checks.DRAFT_FLAG,
-                             block_size or provisional))
-    return models
+def _dcp_problems(vllm_config, answer: vllm_answer.VllmAnswer, gpu_major) -> list[str]:
+    """What DCP adds to vLLM's answer: each picked backend's DCP limits for
+    its layers at the block size vLLM pages them with."""
+    found: list[str] = []
+    for layer in answer.layers:
+        limits = checks.LIMITS.get(layer.backend)
+        if limits is None or answer.block_size is None:
+            continue  # no DCP limits of this plugin's, or vLLM refused first
+        setting = dataclasses.replace(
+            DCPSetting.from_vllm_config(vllm_config, gpu_major, draft=layer.draft),
+            block_size=answer.block_size, kv_cache_dtype=layer.kv_cache_dtype)
+        found += [problem for problem in checks.problems(limits, setting,
+                                                         kernel_blocks=False)
+                  if problem not in found]
+    return found
 
 
-def _name(backend) -> str | None:
-    return None if backend is None else backend.name
+def _serves(vllm_config, gpu_major) -> vllm_answer.VllmAnswer | None:
+    """vLLM's answer for ``vllm_config`` if it starts with no DCP problem."""
+    answer = vllm_answer.ask_vllm(vllm_config)
+    if (any(layer.refusal for layer in answer.layers) or answer.block_refusal
+            or _dcp_problems(vllm_config, answer, gpu_major)):
+        return None
+    return answer
 
 
-def _setting(vllm_config, gpu_major, model: _Model, block_size: int) -> DCPSetting:
-    return dataclasses.replace(
-        DCPSetting.from_vllm_config(vllm_config, gpu_major, draft=model.draft),
-        block_size=block_size)
+def _working_block_size(vllm_config, gpu_major):
+    """The smallest ``--block-size`` (a multiple of the interleave) at which
+    vLLM starts every model with no DCP problem, on fast DCP backends (not
+    TRITON_MLA) where one does: (block size, vLLM's answer), or None."""
+    interleave = vllm_config.parallel_config.cp_kv_cache_interleave_size
+    found = None
+    for block_size in sorted({math.lcm(interleave, size) for size in _FIX_BLOCK_SIZES}):
+        answer = _serves(vllm_answer.with_block_size(vllm_config, block_size),
+                         gpu_major)
+        if answer is not None and FALLBACK not in answer.backends:
+            return block_size, answer
+        found = found or (answer and (block_size, answer))
+    return found
 
 
-def _selects(name: str, vllm_config, gpu_major: int, model: _Model) -> bool:
-    """Whether vLLM's selection of ``name`` accepts ``model``'s layers: the
-    plugin's hook declines every problem of the record, vLLM's own hooks
-    the GPU, KV dtype, block size and non-causal DCP."""
-    limits = checks.LIMITS[name]
-    block = checks.backend_block_size(name, model.passed_block_size, vllm_config)
-    setting = _setting(vllm_config, gpu_major, model, block)
-    if limits.overridden:
-        return not checks.problems(limits, setting)
-    return (gpu_major in (limits.gpu_majors or (gpu_major,))
-            and limits.reads(setting.kv_cache_dtype, gpu_major)
-            and (model.passed_block_size is None or limits.pages_by(block))
-            and (limits.non_causal or not model.draft))
+def _fix(found) -> str:
+    if found is None:
+        return ""
+    block_size, answer = found
+    return (f" Pass --block-size {block_size}: vLLM then runs them on "
+            f"{' and '.join(answer.backends)}.")
 
 
-def _judge(vllm_config, gpu_major: int | None, block_size: int | None) -> list[_Start]:
-    """Each model's backend (named, or vLLM's pick) and its problems at the
-    block size vLLM pages every MLA layer with (``update_block_size_for_backend``:
-    --block-size ``block_size``, else the picks' common preferred size; the
-    hybrid alignment), and for a named backend also at the provisional size
-    a draft's own KV dtype passes its selector. vLLM's other MLA backends
-    are left to vLLM."""
-    models = _models(vllm_config, block_size)
-    picks = [model.named or next(
-        (name for name in checks.mla_order(gpu_major)
-         if _selects(name, vllm_config, gpu_major, model)), checks.FALLBACK)
-        for model in models]
-    known = [(model, pick) for model, pick in zip(models, picks)
-             if pick in checks.LIMITS]
-    if not known:
-        return []
-    common = checks.hybrid_aligned(vllm_config, block_size or checks.preferred_block_size(
-        [pick for _, pick in known]))
+def judge(vllm_config, gpu_major: int | None) -> Verdict:
+    """The start-up verdict under DCP on a GPU, from vLLM's own answer."""
+    answer = vllm_answer.ask_vllm(vllm_config)
+    for layer in answer.layers:
+        if layer.refusal:
+            return Verdict(error=_selection_refused(vllm_config, layer, gpu_major))
+    problems = _dcp_problems(vllm_config, answer, gpu_major)
+    if answer.block_refusal:
+        problems.insert(0, _block_refused(vllm_config, answer))
+    fell = [layer for layer in answer.layers
+            if layer.backend == FALLBACK and layer.named is None]
+    if not problems and not fell:
+        return Verdict()
+    found = _working_block_size(vllm_config, gpu_major)
+    fix = _fix(found)
+    if problems:
+        picks = ", ".join(f"{layer.backend} for {_layers(layer)}"
+                          for layer in answer.layers)
+        return Verdict(error=f"vLLM picks {picks}, which cannot serve this "
+                       "configuration:\n  - " + "\n  - ".join(problems) + fix)
+    if found is None or FALLBACK in found[1].backends:
+        return Verdict()  # no --block-size starts a fast DCP backend
+    falls = (f"vLLM will run {' and '.join(dict.fromkeys(map(_layers, fell)))} "
+             "on TRITON_MLA under decode context parallelism")
+    block_size = vllm_config.cache_config.block_size
+    if not vllm_config.cache_config.user_specified_block_size:
+        return Verdict(error=f"{falls}, where a --block-size starts a fast DCP "
+                       "backend." + fix)
+    return Verdict(warning=f"{falls}: no fast DCP backend pages by --block-size "
+                   f"{block_size}.{fix}")
 
-    def block(pick: str) -> int:  # beside an unknown backend: its own size
-        return (common if len(known) == len(models) else
-                checks.backend_block_size(pick, block_size, vllm_config))
 
-    def judged(model: _Model, pick: str) -> list[str]:
-        found = checks.problems(checks.LIMITS[pick], _setting(
-            vllm_config, gpu_major, model, block(pick)))
-        if model.named and block_size is None and model.passed_block_size is not None:
-            # A named backend is selected at the provisional size the
-            # draft's own KV dtype passes (hybrid alignment aside): judged
-            # there too, as vLLM's selector will, after the target loads.
-            passed = checks.backend_block_size(pick, model.passed_block_size,
-                                               vllm_config)
-            found += [problem for problem in checks.problems(
-                checks.LIMITS[pick], _setting(vllm_config, gpu_major, model, passed))
-                if problem not in found]
-        return found
+def _block_refused(vllm_config, answer: vllm_answer.VllmAnswer) -> str:
+    interleave = vllm_config.parallel_config.cp_kv_cache_interleave_size
+    return (f"vLLM pages {' and '.join(answer.backends)} by a block size that "
+            f"--cp-kv-cache-interleave-size {interleave} does not divide "
+            f"({answer.block_refusal}): pass a --block-size that is a multiple "
+            "of the interleave, or a smaller --cp-kv-cache-interleave-size.")
 
-    return [_Start(model, pick, judged(model, pick)) for model, pick in known]
+
+def _selection_refused(vllm_config, layer, gpu_major) -> str:
+    """vLLM's selector refused ``layer``'s: its reasons, and the flag whose
+    change makes vLLM serve them (asked again)."""
+    chosen = f" ({layer.named}, named by {layer.flag})" if layer.named else ""
+    message = (f"vLLM finds no MLA attention backend{chosen} for {_layers(layer)} "
+               f"under decode context parallelism: {layer.refusal}")
+    changes = [change for change, changed in _selection_variants(vllm_config, layer)
+               if _serves(changed, gpu_major) is not None]
+    return message + "".join(f"\nTo serve them: {'; or '.join(changes)}."
+                             for _ in changes[:1])
+
+
+def _selection_variants(vllm_config, layer):
+    """(the change, the config with it) to try for a refused ``layer``."""
+    import torch
+
+    model = (vllm_config.speculative_config.draft_model_config if layer.draft
+             else vllm_config.model_config)
+    if model.dtype not in (torch.bfloat16, torch.float16):
+        changed = copy.copy(vllm_config)
+        changed.model_config = copy.copy(vllm_config.model_config)
+        changed.model_config.dtype = torch.bfloat16
+        if vllm_config.speculative_config is not None:
+            spec = changed.speculative_config = copy.copy(vllm_config.speculative_config)
+            if spec.draft_model_config is not None:
+                spec.draft_model_config = copy.copy(spec.draft_model_config)
+                spec.draft_model_config.dtype = torch.bfloat16
+        yield "pass --dtype bfloat16", changed
+    if layer.named:
+        changed = copy.copy(vllm_config)
+        if layer.draft:
+            changed.speculative_config = copy.copy(vllm_config.speculative_config)
+            changed.speculative_config.attention_backend = None
+        else:
+            changed.attention_config = copy.copy(vllm_config.attention_config)
+            changed.attention_config.backend = None
+        yield f"leave {layer.flag} out for vLLM's choice", changed
+    cache = vllm_config.cache_config
+    if cache.user_specified_block_size:
+        changed = copy.copy(vllm_config)
+        changed.cache_config = copy.deepcopy(cache)
+        changed.cache_config.block_size = type(cache).DEFAULT_BLOCK_SIZE
+        changed.cache_config.user_specified_block_size = False
+        yield f"leave --block-size {cache.block_size} out for vLLM's choice", changed
 
 
 def _check_cuda(vllm_config, gpu_major: int | None) -> None:
-    attention, cache = vllm_config.attention_config, vllm_config.cache_config
-    if getattr(attention, "use_non_causal", False) and attention.backend is None:
-        return  # a rebuilt draft config on vLLM's choice: judged with the target
-    given = cache.block_size if cache.user_specified_block_size else None
-    starts = _judge(vllm_config, gpu_major, given)
-    fell = [start for start in starts if start.model.named is None
-            and start.backend == checks.FALLBACK
-            and start.model.passed_block_size is not None]
-    refused = [start for start in starts if start.problems]
-    if not refused and not fell:
-        return
-    fix = _fix(vllm_config, gpu_major)
-    for start in refused:
-        chosen = start.model.flag if start.model.named else "vLLM"
-        raise ValueError(
-            f"{start.backend} (chosen by {chosen}) cannot serve this "
-            "configuration:\n  - " + "\n  - ".join(start.problems) + fix)
-    if not fix:
-        return
-    if given is None:  # the provisional size of the draft's own KV dtype
-        raise ValueError(
-            'The DSpark draft\'s own "kv_cache_dtype" in --speculative-config '
-            "makes vLLM select the draft's attention backend at block size "
-            f"{fell[0].model.passed_block_size} (its loader passes the "
-            "provisional size as given), where no fast DCP backend on this GPU "
-            "pages: vLLM would silently run the draft on TRITON_MLA." + fix)
-    logger.warning_once(
-        "vLLM will run %s on TRITON_MLA under decode context parallelism: no "
-        "fast DCP backend on this GPU pages by --block-size %d.%s",
-        " and ".join("the DSpark draft's layers" if start.model.draft
-                     else "the model's layers" for start in fell), given, fix)
+    if getattr(vllm_config.attention_config, "use_non_causal", False):
+        return  # a draft's config rebuilt by vLLM's loader: judged with the target
+    in_child = ASK_IN_CHILD_PROCESS and not _holds_cuda_context()
+    verdict = (_judge_in_child(vllm_config, gpu_major) if in_child
+               else judge(vllm_config, gpu_major))
+    if verdict.error:
+        raise ValueError(verdict.error)
+    if verdict.warning:
+        logger.warning_once(verdict.warning)
 
 
-def _fix(vllm_config, gpu_major: int | None) -> str:
-    """The --block-size that starts every model on a fast DCP backend (not
-    TRITON_MLA), the smallest multiple of the interleave every kernel pages
-    by, as a sentence; "" where it does not."""
-    interleave = vllm_config.parallel_config.cp_kv_cache_interleave_size
-    block = math.lcm(interleave, max(checks.LIMITS[checks.FLASHMLA].kernel_block_sizes))
-    starts = _judge(vllm_config, gpu_major, block)
-    if any(start.problems or start.backend == checks.FALLBACK for start in starts):
-        return ""
-    backends = " and ".join(dict.fromkeys(start.backend for start in starts))
-    return f" Pass --block-size {block}: vLLM then runs them on {backends}."
+def _holds_cuda_context() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
+def _judge_in_child(vllm_config, gpu_major: int | None) -> Verdict:
+    """``judge`` in a spawned child process that loads vLLM's plugins."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_judge_with_plugins, vllm_config, gpu_major).result()
+
+
+def _judge_with_plugins(vllm_config, gpu_major: int | None) -> Verdict:
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    return judge(vllm_config, gpu_major)
 
 
 def _check_cpu(vllm_config) -> None:
@@ -198,13 +237,13 @@ def _check_cpu(vllm_config) -> None:
     attention_backend, but for DeepSeek-V4 drafts)."""
     spec = vllm_config.speculative_config
     target = vllm_config.attention_config.backend
-    choices = [(target, False, checks.TARGET_FLAG)]
+    choices = [(target, False, vllm_answer.TARGET_FLAG)]
     if spec is not None and spec.method == "dspark":
-        draft, flag = spec.attention_backend, checks.DRAFT_FLAG
+        draft, flag = spec.attention_backend, vllm_answer.DRAFT_FLAG
         draft_hf = getattr(spec.draft_model_config, "hf_config", None)
         if draft is None and getattr(draft_hf, "model_type", None) in (
                 "deepseek_v4", "deepseek_v41"):
-            draft, flag = target, checks.TARGET_FLAG
+            draft, flag = target, vllm_answer.TARGET_FLAG
         choices.append((draft, True, flag))
     for backend, draft, flag in choices:
         name = _cpu_mla_backend(vllm_config, backend)
@@ -220,27 +259,6 @@ def _check_cpu(vllm_config) -> None:
         checks.raise_if_unsupported(
             name, DCPSetting.from_vllm_config(vllm_config, None, draft=draft),
             chosen_by=chosen_by)
-
-
-def _sparse_mla(hf_config) -> bool:
-    """Whether vLLM builds this model's MLA layers sparse (an indexer's
-    ``index_topk``; DeepSeek-V4's ``compress_ratios``)."""
-    return any(hasattr(hf_config, marker)
-               for marker in ("index_topk", "compress_ratios"))
-
-
-def dense_mla_latent(model_config) -> tuple[int, int] | None:
-    """``(kv_lora_rank, qk_rope_head_dim)`` of a dense MLA model; None where
-    its layers are not dense latent MLA: no ``kv_lora_rank`` (DeepSeek-V4
-    style configs are ``use_mla`` with ``head_dim`` and ``compress_ratios``
-    instead) or sparse MLA (an ``index_topk`` indexer, DeepSeek-V3.2 style,
-    whose layers vLLM selects with ``use_sparse``)."""
-    hf = getattr(model_config, "hf_text_config", None)
-    rank = getattr(hf, "kv_lora_rank", None)
-    rope = getattr(hf, "qk_rope_head_dim", None)
-    if rank is None or rope is None or _sparse_mla(hf):
-        return None
-    return rank, rope
 
 
 def _cpu_mla_backend(vllm_config, backend) -> str:
@@ -261,7 +279,7 @@ def _cpu_mla_backend(vllm_config, backend) -> str:
             backend_cls = get_attn_backend(
                 head_size, model.dtype,
                 vllm_config.cache_config.cache_dtype, use_mla=True,
-                use_sparse=_sparse_mla(model.hf_text_config))
+                use_sparse=vllm_answer._sparse_mla(model.hf_text_config))
     finally:
         attention.backend = saved
     return backend_cls.get_name()

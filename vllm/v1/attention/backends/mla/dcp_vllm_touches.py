@@ -329,13 +329,20 @@ TOUCHES: tuple[Touch, ...] = (
              "get_dcp_group() asserts)",
         installed_by=NOBODY),
     Touch(
-        name="hybrid_mla_block_alignment",
-        target="vllm.platforms.interface.Platform._align_hybrid_block_size",
+        name="block_size_for_backends",
+        target="vllm.platforms.interface.Platform.update_block_size_for_backend",
         change=READS,
-        what="dcp_config_checks.HYBRID_MLA_BLOCK_ALIGNMENT: its rule (a hybrid "
-             "MLA model's block size a multiple of 128, overriding "
-             "--block-size), which the start-up and selection checks judge "
-             "a layer's block size by",
+        what="dcp_vllm_answer: the block size vLLM pages the selected backends "
+             "with (preferred size, hybrid and skip-layers alignment), asked on "
+             "a copy of the cache config over stand-in layers",
+        installed_by=NOBODY),
+    Touch(
+        name="dspark_draft_backend",
+        target="vllm.v1.worker.gpu.spec_decode.dspark.utils."
+               "_resolve_dspark_attention_backend",
+        change=READS,
+        what="dcp_vllm_answer.draft_vllm_config: the backend vLLM's DSpark "
+             "loader names for the draft's layers (private)",
         installed_by=NOBODY),
     Touch(
         name="triton_dispatcher_registry",
