@@ -102,42 +102,6 @@ def test_dcp8_hopper_draft_gets_the_dcp_path(tmp_path, major):
             assert isinstance(upstream, ValueError)
 
 
-def test_sm90_draft_without_block_size_judged_at_its_block_size(tmp_path):
-    """No --block-size: vLLM's selector passes block_size None while the config
-    still holds CacheConfig's provisional default (a worker gives the backend
-    its size later). FLASHINFER_MLA is judged at the size it will get, the
-    start-up checks' rule, at interleave 32 / 64 as at 1."""
-    import json
-
-    from vllm.config.cache import CacheConfig
-
-    from tests.support.builder_harness import TINY_MLA_CONFIG
-    from tests.support.cuda_selection import check_as_gpu, gpu_engine_config
-    from vllm.v1.attention.backends.mla.dcp_config_checks import default_block_size
-
-    (tmp_path / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
-    block = default_block_size("FLASHINFER_MLA")
-    for interleave in (1, 32, block, 2 * block):
-        config = gpu_engine_config(
-            tmp_path, tp=8, dcp=8, cp_kv_cache_interleave_size=interleave,
-            speculative_config=dict(NGRAM, attention_backend="FLASHINFER_MLA"))
-        assert not config.cache_config.user_specified_block_size
-        config.cache_config.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
-        with plugin_registered(True):
-            # vLLM's DSpark loader gives the draft its attention_backend.
-            config.attention_config.backend = _backend_enum("FLASHINFER_MLA")
-            draft = select_mla_backend(config, 9, non_causal=True)
-        if block % interleave:
-            assert isinstance(draft, ValueError)
-            with pytest.raises(ValueError, match=f"--cp-kv-cache-interleave-size "
-                                                 f"{interleave} must divide "
-                                                 f"the KV-cache block size, "
-                                                 f"{block} here"):
-                check_as_gpu(config, 9)
-        else:
-            assert _selected(draft).get_name() == "FLASHINFER_MLA", interleave
-            check_as_gpu(config, 9)
-
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 

@@ -38,7 +38,7 @@ def test_builder_raises_at_start_up(tmp_path):
             pytest.raises(ValueError) as error:
         make_builder(module.TokenspeedDCPMLAMetadataBuilder, config)
     message = str(error.value)
-    assert "FLASHINFER_MLA in --attention-backend" in message
+    assert "name FLASHINFER_MLA or FLASHMLA" in message
     assert "--kv-cache-dtype fp8" in message
     assert "num_speculative_tokens <= 7" in message
 

@@ -18,7 +18,6 @@ import pytest
 from tests.support.builder_harness import TINY_MLA_CONFIG, cpu_with_amx, cpu_without_amx
 from tests.support.cuda_selection import (check_as_gpu, engine_config, gpu_engine_config,
                                           plugin_registered)
-from vllm.v1.attention.backends.mla.dcp_config_checks import default_block_size
 
 
 @pytest.fixture(scope="module")
@@ -103,34 +102,44 @@ def test_cpu_with_amx_asks_for_cpu_mla(model_dir):
         assert config.attention_config.backend.name == "CPU_MLA"
 
 
+
+def flashinfer_block_size() -> int:
+    """vLLM's block size for FLASHINFER_MLA alone without --block-size: its
+    default where FlashInfer's kernels (32 or 64 tokens) page by it."""
+    import math
+
+    from vllm.config.cache import CacheConfig
+
+    return math.lcm(CacheConfig.DEFAULT_BLOCK_SIZE, 32)
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 # (engine flags, GPU major, texts the error must contain); None: accepted
 # The block size vLLM gives FLASHINFER_MLA without --block-size: 32 on vLLM
 # 0.32 (default 16, not a kernel size), 64 on 0.34 (default 64).
-FI_BLOCK = default_block_size("FLASHINFER_MLA")
+FI_BLOCK = flashinfer_block_size()
 
 # Each backend's own limits on sm90 and sm100: tests/test_dcp_backend_limits.py.
 GPU_CASES = [
     (dict(attention_backend="FLASHINFER_MLA"), 8, ["--attention-backend"]),
+    # n-gram has no draft model: vLLM builds no layer the draft's backend names.
     (dict(speculative_config=dict(NGRAM, attention_backend="TOKENSPEED_MLA"),
-          kv_cache_dtype="fp8"), 9,
-     ["TOKENSPEED_MLA (chosen by attention_backend in --speculative-config) "
-      "cannot serve", "name FLASHMLA in attention_backend in --speculative-config"]),
+          kv_cache_dtype="fp8"), 9, None),
     # FlashInfer pages by FI_BLOCK unless told: twice that cannot divide it ...
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=2 * FI_BLOCK),
-     10, [f"--cp-kv-cache-interleave-size {2 * FI_BLOCK} must divide "
-          f"the KV-cache block size, {FI_BLOCK} here: pass --block-size "
-          f"{max(2 * FI_BLOCK, 64)}"]),
+     10, [f"--cp-kv-cache-interleave-size {2 * FI_BLOCK} does not divide",
+          f"Block_size({FI_BLOCK})", f"Pass --block-size {2 * FI_BLOCK}: vLLM "
+          "then runs them on FLASHINFER_MLA"]),
     # ... FI_BLOCK does, whatever the config's block size says before that
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=FI_BLOCK), 10,
      None),
     (dict(attention_backend="FLASHINFER_MLA", cp_kv_cache_interleave_size=2 * FI_BLOCK),
-     9, [f"block size, {FI_BLOCK} here: pass --block-size"]),
+     9, [f"Block_size({FI_BLOCK})", f"Pass --block-size {2 * FI_BLOCK}"]),
     # --block-size given: the interleave is checked whatever vLLM picks.
     (dict(cp_kv_cache_interleave_size=48, block_size=64), 10,
-     ["--cp-kv-cache-interleave-size 48 must divide the KV-cache block size, 64 "
-      "here: pass --block-size 48"]),
+     ["--cp-kv-cache-interleave-size 48 does not divide", "Block_size(64)",
+      "Pass --block-size 96"]),
     (dict(cp_kv_cache_interleave_size=32, block_size=64), 10, None),
 ]
 
@@ -271,8 +280,12 @@ def test_draft_kv_dtype_without_block_size_refused_off_hybrid_models(dspark_pair
     cache.block_size, cache.user_specified_block_size = saved
     if provisional % 64:  # vLLM 0.32's 16
         assert selected.get_name() == "TRITON_MLA"
-        with pytest.raises(ValueError, match="silently run the draft on "
-                                             "TRITON_MLA. Pass --block-size 64"):
+        fast = {9: "64: vLLM then runs them on FLASHMLA",
+                10: "32: vLLM then runs them on FLASHINFER_MLA"}[major]
+        with pytest.raises(ValueError, match=re.escape(
+                "the DSpark draft's layers on TRITON_MLA under decode context "
+                f"parallelism, where a --block-size starts a fast DCP backend. "
+                f"Pass --block-size {fast}")):
             check_as_gpu(config, major)
     else:  # vLLM 0.34's 64: the fast path, accepted
         assert selected.get_name() != "TRITON_MLA"
@@ -328,10 +341,11 @@ def test_named_draft_backend_judged_at_the_provisional_block_size(
         with pytest.raises(ValueError) as error:
             check_as_gpu(config, major)
         message = str(error.value)
-        assert f"{backend} (chosen by attention_backend in --speculative-config)" \
+        assert f"({backend}, named by attention_backend in --speculative-config)" \
             in message
-        assert f"not {provisional}: pass --block-size 64" in message
-        assert "Pass --block-size 64: vLLM then runs them on" in message
+        assert "['block_size not supported']" in message
+        assert ("To serve them: leave attention_backend in --speculative-config "
+                "out for vLLM's choice") in message
     else:  # vLLM 0.34's 64: the worker selects it, accepted
         assert not isinstance(selected, ValueError), selected
         assert selected.get_name() == backend
@@ -399,7 +413,7 @@ def test_fall_to_triton_at_an_explicit_block_size_warned(dspark_pair, major, rol
         check_as_gpu(config, major)
         assert warning.call_count == 1
         message = warning.call_args.args[0] % warning.call_args.args[1:]
-        assert "on TRITON_MLA" in message and "Pass --block-size 64" in message
+        assert "on TRITON_MLA" in message and "Pass --block-size 32" in message
         warning.reset_mock()
         check_as_gpu(gpu_engine_config(target, dcp=8, **dict(flags, block_size=64)),
                      major)
@@ -407,15 +421,16 @@ def test_fall_to_triton_at_an_explicit_block_size_warned(dspark_pair, major, rol
         assert warning.call_count == 0
 
 
-def test_other_named_backends_left_to_vllm(dspark_pair):
-    """A backend without a record here (vLLM's sparse ones, 0.34's
-    KIMI_K3_KV_BALANCED_MLA) is vLLM's to check; the draft beside it is
-    judged at the block size its own backend gets."""
+def test_other_named_backends_as_vllm_selects_them(dspark_pair):
+    """A backend without DCP limits here (vLLM's sparse ones) is vLLM's to
+    judge: named for a dense model, vLLM's selector refuses it before load,
+    with vLLM's reason and the flag."""
     target, draft = dspark_pair
     config = gpu_engine_config(target, tp=8, dcp=8, max_model_len=2048,
                                attention_backend="FLASHMLA_SPARSE",
                                speculative_config=dspark(draft, 4))
-    check_as_gpu(config, 10)
-    config.parallel_config.cp_kv_cache_interleave_size = 256
-    with pytest.raises(ValueError, match="TRITON_MLA \\(chosen by vLLM\\)"):
+    with pytest.raises(ValueError, match=re.escape(
+            "(FLASHMLA_SPARSE, named by --attention-backend)")) as error:
         check_as_gpu(config, 10)
+    assert "non-sparse not supported" in str(error.value)
+    assert "leave --attention-backend out" in str(error.value)

@@ -185,6 +185,7 @@ def gpu_engine_config(model_dir, **flags):
     runner_check = next(name for name in ("_validate_v1_model_runner",  # 0.32
                                           "_validate_model_runner")  # 0.34
                         if hasattr(VllmConfig, name))
+    flags.setdefault("dtype", "bfloat16")  # a GPU model's (vLLM refuses fp32 MLA)
     with mock.patch.object(dcp_startup_checks, "check_vllm_config"), \
             mock.patch.object(VllmConfig, runner_check), cpu_without_amx():
         config = engine_config(model_dir, **flags)
@@ -198,8 +199,11 @@ def check_as_gpu(config, major: int) -> None:
     CUDA platform code, the plugin's overrides registered, vLLM asked in
     this process (a GPU host asks in a child process)."""
     from tests.support.gpu_config import on_cuda_host
+    from tests.support.recipe_start import import_on_cpu
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
+    import_on_cpu(config)
     with on_cuda_host(major), plugin_registered(True), \
             mock.patch.object(dcp_startup_checks, "ASK_IN_CHILD_PROCESS", False):
         dcp_startup_checks.check_vllm_config(config)
+

@@ -67,12 +67,12 @@ def cuda_engine_config(model_dir, major: int, *, tp: int, dcp: int, **flags):
     from vllm.plugins import load_general_plugins
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
-    from tests.support.recipe_start import _import_on_cpu
+    from tests.support.recipe_start import import_on_cpu
 
     # Loaded first under the CUDA platform, the plugin would leave its checks
     # on that platform for the rest of the process.
     load_general_plugins()
-    _import_on_cpu()
+    import_on_cpu()
     with on_cuda_host(major), mock.patch.object(dcp_startup_checks,
                                                 "check_vllm_config"):
         config = EngineArgs(model=str(model_dir), skip_tokenizer_init=True,

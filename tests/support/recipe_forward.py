@@ -400,7 +400,7 @@ def k3_target_layer(argv, major: int, root: Path, *, dcp: int | None = None,
 
     config = rs.recipe_config(argv, root, major=major, dcp=dcp)
     check_as_gpu(config, major)
-    rs._import_on_cpu()
+    rs.import_on_cpu()
     hf = config.model_config.hf_text_config
     parallel = config.parallel_config
     upstream_prefill = MultiHeadLatentAttention._forward_prefill_fused

@@ -268,9 +268,15 @@ class _PrefillStandIn:
         return self
 
 
-def _import_on_cpu() -> None:
+def import_on_cpu(config=None) -> None:
     """vLLM modules that must be imported as on the CPU platform: at import
-    they probe the GPU ops of the current platform (absent here)."""
+    they probe the GPU ops of the current platform (absent here); with
+    ``config``, its model's class too (vLLM's hybrid alignment resolves it)."""
+    if config is not None and config.model_config is not None:
+        from vllm.model_executor.models import ModelRegistry
+
+        ModelRegistry.resolve_model_cls(config.model_config.architecture,
+                                        model_config=config.model_config)
     import vllm.compilation.backends  # noqa: F401
     import vllm.model_executor.model_loader  # noqa: F401
     import vllm.model_executor.models.qwen3_dflash  # noqa: F401
@@ -409,7 +415,7 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
     from vllm.v1.worker.cp_utils import check_attention_cp_compatibility
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
-    _import_on_cpu()
+    import_on_cpu()
     parallel = config.parallel_config
 
     def get_model(*, vllm_config, model_config=None, **kwargs):
