@@ -48,8 +48,9 @@ def _meta_instead_of_cuda(real_empty):
 
 
 @contextlib.contextmanager
-def as_cuda_gpu(major: int):
-    """Run vLLM's CUDA platform code as on a compute capability ``major``.0 GPU."""
+def as_cuda_gpu(major: int, *, flashmla: bool = True):
+    """Run vLLM's CUDA platform code as on a compute capability ``major``.0 GPU;
+    ``flashmla``: vLLM's wheel built with FlashMLA's extension (optional)."""
     import vllm.platforms
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention import selector
@@ -69,8 +70,9 @@ def as_cuda_gpu(major: int):
             "vllm.v1.attention.backends.mla.flashattn_mla")
         enter(mock.patch.object(flashattn_mla, "flash_attn_supports_mla",
                                 lambda: hopper))
-        flashmla_probe = (lambda: (True, None) if hopper else
-                          (False, "FlashMLA Dense is only supported on Hopper devices."))
+        flashmla_probe = (lambda: (True, None) if hopper and flashmla else
+                          (False, "FlashMLA Dense is only supported on Hopper devices."
+                           if flashmla else "vllm._flashmla_C is not available"))
         # Where the selector reads it, and where FLASHMLA's impl bound it at
         # import (patched here too, or the answer would depend on which test
         # imported that module first).
@@ -194,7 +196,7 @@ def gpu_engine_config(model_dir, **flags):
     return config
 
 
-def check_as_gpu(config, major: int) -> None:
+def check_as_gpu(config, major: int, *, flashmla: bool = True) -> None:
     """The start-up checks on ``config`` as on an sm{major}0 host: vLLM's
     CUDA platform code, the plugin's overrides registered, vLLM asked in
     this process (a GPU host asks in a child process)."""
@@ -203,7 +205,7 @@ def check_as_gpu(config, major: int) -> None:
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
     import_on_cpu(config)
-    with on_cuda_host(major), plugin_registered(True), \
+    with on_cuda_host(major, flashmla=flashmla), plugin_registered(True), \
             mock.patch.object(dcp_startup_checks, "ASK_IN_CHILD_PROCESS", False):
         dcp_startup_checks.check_vllm_config(config)
 

@@ -27,13 +27,14 @@ GPU_NAME = "NVIDIA H100 80GB HBM3"
 
 
 @contextlib.contextmanager
-def on_cuda_host(major: int):
+def on_cuda_host(major: int, *, flashmla: bool = True):
     """vLLM's config code as on an sm``major``0 host. Yields the CUDA
     platform class; ``os.environ`` (which vLLM's config code may set, e.g.
     ``VLLM_USE_BREAKABLE_CUDAGRAPH``) is restored on the way out."""
     from vllm.config.compilation import PassConfig
 
-    with as_cuda_gpu(major) as cuda_platform, contextlib.ExitStack() as stack:
+    with as_cuda_gpu(major, flashmla=flashmla) as cuda_platform, \
+            contextlib.ExitStack() as stack:
         enter = stack.enter_context
         platform = cuda_platform()
         for name in _BOUND:

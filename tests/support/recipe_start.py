@@ -87,6 +87,10 @@ class PairShape:
     # ``KimiK3ForConditionalGeneration`` (a tiny Kimi-K2.5 vision tower and
     # projector around the text model); else the text model alone.
     multimodal: bool = False
+    # The KDA state: heads (None: the model's attention heads) and head dim;
+    # Kimi-Linear's is 32 x 128, whose page vLLM's hybrid alignment covers.
+    kda_heads: int | None = None
+    kda_head_dim: int = 64
 
     @property
     def target_layers(self) -> int:
@@ -133,7 +137,8 @@ def tiny_k3_configs(*, num_layers: int = TINY_TARGET_LAYERS,
         linear_attn_config=dict(  # 1-based layer numbers
             kda_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "k"],
             full_attn_layers=[i + 1 for i, kind in enumerate(kinds) if kind == "m"],
-            num_heads=num_heads, head_dim=64, short_conv_kernel_size=4,
+            num_heads=shape.kda_heads or num_heads, head_dim=shape.kda_head_dim,
+            short_conv_kernel_size=4,
             use_full_rank_gate=True),
         max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="silu",
         bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="bfloat16")
