@@ -474,14 +474,18 @@ USER_VARIANTS = [
     # A draft KV dtype of its own without --block-size: the draft's backend
     # is selected at the block size vLLM will page with, not the provisional
     # 16 its rebuilt cache config passes (vLLM's choice there: TRITON_MLA).
+    # A draft KV dtype of its own: vLLM's DSpark loader rebuilds the draft's
+    # cache config, its selector then judging the provisional block size
+    # (0.32's 16) as given; --block-size 64 keeps the draft on a fast path
+    # (without it the start-up check refuses, naming it).
     ("sm90-fp8-draft-dtype-fp8-k3", 9,
-     f"-tp 8 -dcp 8 --kv-cache-dtype fp8 --speculative-config "
+     f"-tp 8 -dcp 8 --kv-cache-dtype fp8 --block-size 64 --speculative-config "
      f"'{_k3_spec(3, kv_cache_dtype='fp8')}'", ("FLASHMLA", "fp8"), ("FLASHMLA", "fp8")),
     ("sm90-fp8-draft-dtype-auto", 9,
-     f"-tp 8 -dcp 8 --kv-cache-dtype fp8 --speculative-config "
+     f"-tp 8 -dcp 8 --kv-cache-dtype fp8 --block-size 64 --speculative-config "
      f"'{_k3_spec(4, kv_cache_dtype='auto')}'", ("FLASHMLA", "fp8"), ("FLASHMLA", "bf16")),
     ("sm100-fp8-draft-dtype-auto-k7", 10,
-     f"-tp 8 -dcp 8 --kv-cache-dtype fp8 "
+     f"-tp 8 -dcp 8 --kv-cache-dtype fp8 --block-size 64 "
      f"--attention-config '{SM100_PREFILL}' "
      "--speculative-config "
      f"'{_k3_spec(7, kv_cache_dtype='auto')}'",

@@ -47,11 +47,18 @@ def test_vllm_without_flashmla_refused_before_load(dense_pair):
     from tests.support.cuda_selection import plugin_registered
     from vllm.v1.attention.backends.mla import dcp_vllm_answer
 
+    from vllm.config.cache import CacheConfig
+
     config = _flashmla_absent_config(dense_pair)
     rs.import_on_cpu(config)
     with on_cuda_host(9, flashmla=False), plugin_registered(True):
         answer = dcp_vllm_answer.ask_vllm(config)
     assert "FLASHMLA" not in answer.backends
+    if CacheConfig.DEFAULT_BLOCK_SIZE % 64 == 0:
+        # vLLM 0.34's default block 64: FLASHINFER_MLA pages by it and starts.
+        assert answer.block_refusal is None and answer.block_size == 64
+        check_as_gpu(config, 9, flashmla=False)
+        return
     assert answer.block_refusal is not None
     assert "divisible by cp_kv_cache_interleave_size (64)" in answer.block_refusal
     with pytest.raises(ValueError) as refusal:

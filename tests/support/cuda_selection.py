@@ -193,6 +193,8 @@ def gpu_engine_config(model_dir, **flags):
         config = engine_config(model_dir, **flags)
     if "block_size" in flags:
         config.cache_config.block_size = flags["block_size"]
+    else:  # what vLLM's CacheConfig holds on a GPU host until a worker sets it
+        config.cache_config.block_size = type(config.cache_config).DEFAULT_BLOCK_SIZE
     return config
 
 
