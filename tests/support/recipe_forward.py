@@ -50,7 +50,7 @@ BLOCK_SIZE = 64  # every recipe's KV block size on the GPUs (FlashMLA's)
 # float64 attention on the values the layer takes: the bf16 output's rounding
 # (one bf16 ulp, 2^-7); for an fp8 prefill query (sm100: q, k, v cast to fp8,
 # the reference on the same fp8 values) the fp8 decode's bound (FlashMLA's
-# fp8 decode is about 3e-2 from float32 at outputs of about 1, README).
+# fp8 decode is about 3e-2 from float32 at outputs of about 1, docs/testing.md).
 BF16_TOLERANCE = 2 ** -7
 FP8_QUERY_TOLERANCE = 3e-2
 
