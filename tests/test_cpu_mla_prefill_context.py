@@ -9,21 +9,30 @@ over chunked-context metadata from vLLM's planner
 cut each context into several chunks. Its cache gathers are the plugin's
 torch kernels, called through vLLM's wrappers in ``vllm._custom_ops``
 (``torch.ops._C_cache_ops``). Under DCP (W 2 and 4, interleave 1 and 16)
-every rank's cache holds its interleaved share of the context and the DCP
-group's all-gather hands the layer each rank's local gather, made by the
-same gather call over that rank's cache, in rank order. The output must
-equal float64 causal attention over context + new tokens, and the context
-vLLM reassembles must equal the context exactly.
+every rank's cache holds its interleaved share of the context (in pages as
+a busy KV manager hands them out: out of order, unused pages between them,
+null entries past each request's pages, NaN in every slot without context)
+and the DCP group's all-gather hands the layer each rank's local gather,
+made by the same gather call over that rank's cache, in rank order. The
+output must equal float64 causal attention over context + new tokens, and
+the context vLLM reassembles must equal the context exactly.
 
 fp8: vLLM's CPU_MLA declares only ``--kv-cache-dtype auto``
-(``supported_kv_cache_dtypes``; vLLM's CPU selector does not enforce it);
-the dequantizing gather, which vLLM's DCP context path calls for an fp8
-cache, is still checked here with a float32 scale of 0.05 under DCP.
+(``supported_kv_cache_dtypes``; vLLM's CPU selector does not enforce it),
+so with an fp8 cache the plugin leaves both features off, as vLLM's CPU
+platform sets them; the dequantizing gather, which vLLM's DCP context path
+calls for an fp8 cache, is still checked here with a float32 scale of 0.05
+under DCP.
+
+Then the config side, built by vLLM's ``EngineArgs``: where the plugin keeps
+the features on, what it leaves to vLLM (fp8, the switch
+``VLLM_DCP_CPU_PREFILL_FEATURES=0``, sparse MLA, no gathers) and its log line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from unittest import mock
 
 import pytest
@@ -94,15 +103,35 @@ def owner_and_local(position: torch.Tensor, world: int, interleave: int):
     return owner, local
 
 
-def paged_caches(context: list[torch.Tensor], world: int, interleave: int,
-                 cache_dtype: torch.dtype):
-    """Every rank's paged cache [blocks, BLOCK, D] holding its share of each
-    request's ``context`` [C, D], and the block table (same on every rank)."""
+def block_table(world: int, interleave: int, seed: int):
+    """Each request's pages, as vLLM's KV manager hands them out after other
+    requests came and went: page ids in random order, a random half of the
+    pool left unused between them (gaps), page 0 (vLLM's null block) where a
+    row needs no page. Returns ``(table [requests, pages per request], pool
+    size)``; the table is the same on every rank."""
+    gen = torch.Generator().manual_seed(1000 + seed)
     per_request = -(-max(CONTEXT) // (BLOCK * world)) + 1
-    table = torch.arange(1, 1 + len(CONTEXT) * per_request,
-                         dtype=torch.int32).view(len(CONTEXT), per_request)
-    caches = [torch.zeros(1 + table.numel(), BLOCK, KV_LORA + ROPE,
-                          dtype=cache_dtype) for _ in range(world)]
+    needed = [0 if c == 0 else -(-(int(owner_and_local(
+        torch.arange(c), world, interleave)[1].max()) + 1) // BLOCK)
+        for c in CONTEXT]
+    pool = 1 + 2 * sum(needed)
+    pages = (1 + torch.randperm(pool - 1, generator=gen))[:sum(needed)]
+    table = torch.zeros(len(CONTEXT), per_request, dtype=torch.int32)
+    for request, (n, start) in enumerate(zip(needed, [0, *itertools.accumulate(
+            needed)])):
+        table[request, :n] = pages[start:start + n]
+    return table, pool
+
+
+def paged_caches(context: list[torch.Tensor], world: int, interleave: int,
+                 cache_dtype: torch.dtype, seed: int = 0):
+    """Every rank's paged cache [pages, BLOCK, D] holding its share of each
+    request's ``context`` [C, D] in the pages of ``block_table`` (every slot
+    without context NaN: a gather reading a wrong page or slot shows), and
+    the table."""
+    table, pool = block_table(world, interleave, seed)
+    caches = [torch.full((pool, BLOCK, KV_LORA + ROPE), float("nan"),
+                         dtype=torch.float32).to(cache_dtype) for _ in range(world)]
     for request, latent in enumerate(context):
         owner, local = owner_and_local(torch.arange(latent.shape[0]), world,
                                        interleave)
@@ -199,10 +228,10 @@ def run_prefill(world: int, interleave: int, kv_cache_dtype: str = "auto",
         context = [(c / FP8_SCALE).to(torch.float8_e4m3fn).double() * FP8_SCALE
                    for c in context]
         caches, table = paged_caches([c / FP8_SCALE for c in context], world,
-                                     interleave, torch.float8_e4m3fn)
+                                     interleave, torch.float8_e4m3fn, seed)
         caches = [c.view(torch.uint8) for c in caches]
     else:
-        caches, table = paged_caches(context, world, interleave, DTYPE)
+        caches, table = paged_caches(context, world, interleave, DTYPE, seed)
     tokens = sum(NEW)
     q = torch.randn(tokens, HEADS, NOPE + ROPE, generator=gen)
     new_latent = torch.randn(tokens, KV_LORA + ROPE, generator=gen)
@@ -269,11 +298,23 @@ def test_fp8_cache_with_scale_under_dcp(world, interleave):
     torch.testing.assert_close(output.double(), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("world,interleave", [(1, 1), (2, 16), (4, 1)])
+def test_pages_are_scattered(world, interleave):
+    """The tables above are not one run of pages: ids out of order, unused
+    pages between them, null (0) entries past each request's pages."""
+    table, pool = block_table(world, interleave, 0)
+    used = table[table > 0]
+    assert used.unique().numel() == used.numel() < pool - 1
+    assert (used.diff() != 1).any() and (used.diff() < 0).any()
+    assert (table[0] == 0).all() and (table[1:, -1] == 0).all()
+
+
 def test_wrong_rank_order_is_seen():
     """The check above can fail: ranks all-gathered out of order."""
     output, expected, chunks, _ = run_prefill(4, 1, rank_order=[1, 0, 2, 3])
     assert not all(torch.equal(r, c) for r, c in chunks)
-    assert (output - expected).abs().max() > 1e-2
+    # (A rank's gather may reach the unwritten, NaN slots of another's.)
+    assert not torch.allclose(output.double(), expected, rtol=0, atol=1e-2)
 
 
 def test_cp_gather_cache_and_dequant_gather_alone():
@@ -353,6 +394,72 @@ def test_flags_still_turn_them_off(tiny_mla):
                         max_num_batched_tokens=None)
     assert config.cache_config.enable_prefix_caching
     assert not config.scheduler_config.enable_chunked_prefill
+
+
+def assert_vllms_choice(config):
+    """The CPU platform's own choice for an MLA model: both features off and
+    the token budget raised to at least the model length."""
+    assert not config.cache_config.enable_prefix_caching
+    assert not config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.max_num_batched_tokens >= 512
+
+
+def test_fp8_cache_keeps_vllms_choice(tiny_mla):
+    """CPU_MLA declares only ``auto`` (vLLM's CPU context gather asserts on a
+    quantized cache at the first prefill with a context): with
+    ``--kv-cache-dtype fp8`` the features stay as the CPU platform sets
+    them."""
+    assert_vllms_choice(cpu_config(tiny_mla, kv_cache_dtype="fp8",
+                                   max_num_batched_tokens=None))
+    assert cpu_mla_prefill_context.left_off_because(cpu_config(
+        tiny_mla, kv_cache_dtype="fp8")).startswith(
+            "CPU_MLA serves --kv-cache-dtype auto, not fp8")
+
+
+@pytest.mark.parametrize("switch", ["0", "false", "off", "no"])
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_switch_off_keeps_vllms_choice(tiny_mla, monkeypatch, switch, dcp):
+    """``VLLM_DCP_CPU_PREFILL_FEATURES=0``: stock vLLM's config at any -dcp
+    (under DCP the start-up checks accept it: decode reads the sharded cache
+    through the DCP backend, prefills then have no context)."""
+    monkeypatch.setenv(cpu_mla_prefill_context.ENV_SWITCH, switch)
+    assert_vllms_choice(cpu_config(
+        tiny_mla, tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+        max_num_batched_tokens=None, enable_prefix_caching=True,
+        enable_chunked_prefill=True))
+
+
+@pytest.mark.parametrize("switch", ["1", "true", "on", ""])
+def test_switch_on_keeps_them_on(tiny_mla, monkeypatch, switch):
+    monkeypatch.setenv(cpu_mla_prefill_context.ENV_SWITCH, switch)
+    config = cpu_config(tiny_mla)
+    assert config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.enable_chunked_prefill
+
+
+@pytest.mark.parametrize("prefix,chunked", [(True, True), (False, True),
+                                            (True, False)])
+def test_log_line_names_what_was_kept_on(tiny_mla, monkeypatch, prefix, chunked):
+    """The line after vLLM's "forcing chunked prefill and prefix caching to
+    be disabled" says which features the plugin kept on and that it
+    overrides that line; a feature the flags turned off is named as off."""
+    lines = []
+    monkeypatch.setattr(cpu_mla_prefill_context.logger, "info_once",
+                        lambda msg, *args, **kwargs: lines.append(msg % args))
+    cpu_config(tiny_mla, enable_prefix_caching=prefix,
+               enable_chunked_prefill=chunked,
+               **({} if chunked else dict(max_num_batched_tokens=None)))
+    (line,) = lines
+    kept = " and ".join(name for name, on in (("chunked prefill", chunked),
+                                             ("prefix caching", prefix)) if on)
+    assert line.startswith(f"vllm-dcp-dspark: {kept} kept on for MLA on CPU "
+                           "(this overrides vLLM's line above forcing both off")
+    off = [name for name, on in (("prefix caching", prefix),
+                                 ("chunked prefill", chunked)) if not on]
+    for name in off:
+        assert f"{name} stays off, as the engine arguments set it" in line
+    assert ("token budget 32" in line) == chunked
+    assert line.endswith("VLLM_DCP_CPU_PREFILL_FEATURES=0 leaves vLLM's choice.")
 
 
 def test_without_the_gathers_vllm_turns_them_off(tiny_mla, monkeypatch):

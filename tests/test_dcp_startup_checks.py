@@ -218,7 +218,8 @@ def test_cpu_dspark_without_the_route_names_its_switch(dspark_pair, monkeypatch,
     assert "set VLLM_DCP_CPU_MRV2=1" in str(error.value)
 
 
-@pytest.mark.parametrize("name", ["VLLM_DCP_CPU_MRV2", "VLLM_DCP_CPU_ROPE_FIX"])
+@pytest.mark.parametrize("name", ["VLLM_DCP_CPU_MRV2", "VLLM_DCP_CPU_ROPE_FIX",
+                                  "VLLM_DCP_CPU_PREFILL_FEATURES"])
 def test_cpu_switch_misspelt_is_refused(model_dir, monkeypatch, name):
     monkeypatch.setenv(name, "enable")
     with pytest.raises(ValueError, match=f"{name}='enable' is not a boolean"):

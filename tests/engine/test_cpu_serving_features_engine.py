@@ -57,6 +57,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.context_chunk_probe import spanning_calls
 from tests.support.greedy_run import cpu_engine_env, greedy_result
 from tests.support.step_log_scheduler import (QUALNAME, STEP_LOG_ENV, read_steps,
                                               step_events, verify_outcomes)
@@ -120,12 +121,39 @@ def make_ngram_waves() -> list[list[list[int]]]:
     return [[p + suffixes[0]], [p + x for x in suffixes[1:]]]
 
 
+# vLLM 0.32 sizes its MLA context workspace (rows of gathered context per
+# chunk, ``determine_chunked_prefill_workspace_size``) at
+# max(8 x max_model_len, 4 x max_num_seqs x block size): 4096 here, while a
+# context stays below max_model_len (512). So a context spans two chunks only
+# where more than eight prefills with long contexts share a step: ten
+# prompts hitting a 448-token cached prefix (4480 rows; under DCP 2 each rank
+# gathers 224 of each, 2048 per chunk), their tails in one step's budget.
+CHUNK_PREFIX = 448
+CHUNK_SEQS = 10
+CHUNK_BUDGET = 128
+
+
+def make_chunk_waves() -> list[list[list[int]]]:
+    """The workspace run's waves: one prompt ``q`` (448 tokens) + tail fills
+    the cache (chunked prefill, budget 128), then ten prompts ``q`` + a tail
+    of 3 to 12 tokens (prefills, not decodes) hit it together."""
+    gen = torch.Generator().manual_seed(41)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(4, 256, (n,), generator=gen).tolist()
+
+    q = rand(CHUNK_PREFIX)
+    return [[q + rand(7)], [q + rand(3 + i) for i in range(CHUNK_SEQS)]]
+
+
 WAVES = make_waves()
 PROMPTS = [prompt for wave in WAVES for prompt in wave]
 WAVE_OF = [w for w, wave in enumerate(WAVES) for _ in wave]
 NGRAM_WAVES = make_ngram_waves()
 NGRAM_PROMPTS = [prompt for wave in NGRAM_WAVES for prompt in wave]
 NGRAM_WAVE_OF = [w for w, wave in enumerate(NGRAM_WAVES) for _ in wave]
+CHUNK_WAVES = make_chunk_waves()
+CHUNK_PROMPTS = [prompt for wave in CHUNK_WAVES for prompt in wave]
 _RUNS: dict[tuple, dict] = {}
 
 
@@ -133,8 +161,10 @@ _RUNS: dict[tuple, dict] = {}
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("serving-features")
     build_tiny_mla_checkpoint(root / "target")
-    (root / "prompts.json").write_text(json.dumps(PROMPTS + NGRAM_PROMPTS))
-    for prefix, waves in (("wave", WAVES), ("ngram_wave", NGRAM_WAVES)):
+    (root / "prompts.json").write_text(json.dumps(PROMPTS + NGRAM_PROMPTS
+                                                  + CHUNK_PROMPTS))
+    for prefix, waves in (("wave", WAVES), ("ngram_wave", NGRAM_WAVES),
+                          ("chunk_wave", CHUNK_WAVES)):
         for w, wave in enumerate(waves, 1):
             (root / f"{prefix}{w}.json").write_text(json.dumps(wave))
     return root
@@ -155,24 +185,29 @@ def engine_env(tp: int, step_log: Path | None = None, dspark: bool = False) -> d
 
 
 def generate(workdir: Path, name: str, *, tp=2, dcp=1, interleave=1, draft=None,
-             ngram=0, features=True, waves="wave") -> dict:
+             ngram=0, features=True, waves="wave", max_num_seqs=MAX_NUM_SEQS,
+             budget=BUDGET, observe_chunks=False) -> dict:
     """One offline engine run (``greedy_run.py``, cached by ``name``): with
     ``features`` two waves (files ``{waves}1.json``, ``{waves}2.json``) with
-    prefix caching, chunked prefill, the budget and the step log; without,
-    all prompts (``PROMPTS + NGRAM_PROMPTS``) at once with both off."""
+    prefix caching, chunked prefill, the ``budget`` and the step log; without,
+    all prompts (``PROMPTS + NGRAM_PROMPTS + CHUNK_PROMPTS``) at once with
+    both off. ``observe_chunks``: the workers record vLLM's MLA context
+    chunks (``tests/support/context_chunk_probe.py``)."""
     if name in _RUNS:
         return _RUNS[name]
     step_log = workdir / f"{name}.steps.jsonl" if features else None
     cmd = [sys.executable, str(REPO / "tests" / "support" / "greedy_run.py"),
            "--model", str(workdir / "target"),
            "--tp", str(tp), "--dcp", str(dcp), "--interleave", str(interleave),
-           "--max-tokens", str(MAX_TOKENS), "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--max-tokens", str(MAX_TOKENS), "--max-num-seqs", str(max_num_seqs),
            "--ngram", str(ngram)]
     if features:
         cmd += ["--prompts-json", str(workdir / f"{waves}1.json"),
                 "--second-wave-json", str(workdir / f"{waves}2.json"),
-                "--max-num-batched-tokens", str(BUDGET), "--step-log", str(step_log),
+                "--max-num-batched-tokens", str(budget), "--step-log", str(step_log),
                 *SERVING_FEATURES]
+    if observe_chunks:
+        cmd += ["--observe-context-chunks"]
     else:
         cmd += ["--prompts-json", str(workdir / "prompts.json"), "--features-off"]
     if ngram:
@@ -196,10 +231,12 @@ def plain_tp2(workdir) -> dict:
     """Stock ``-tp 2``: no DCP, no speculation, all prompts at once, prefix
     caching and chunked prefill off (as vLLM runs MLA on CPU without this
     project: no context path at all). ``tokens``: those of ``PROMPTS``;
-    ``ngram_tokens``: those of ``NGRAM_PROMPTS``."""
+    ``ngram_tokens``: those of ``NGRAM_PROMPTS``; ``chunk_tokens``: those of
+    ``CHUNK_PROMPTS``."""
     run = generate(workdir, "plain_tp2", features=False)
-    n = len(PROMPTS)
-    return {**run, "tokens": run["tokens"][:n], "ngram_tokens": run["tokens"][n:]}
+    n, m = len(PROMPTS), len(PROMPTS) + len(NGRAM_PROMPTS)
+    return {**run, "tokens": run["tokens"][:n], "ngram_tokens": run["tokens"][n:m],
+            "chunk_tokens": run["tokens"][m:]}
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +365,42 @@ def test_ngram_dcp2_serving_features_equal_plain_tp2(workdir, plain_tp2):
     assert run["events"]["verify_blocks"] >= 20, run["events"]
     assert_same_tokens(run["tokens"], plain_tp2["ngram_tokens"], f"{what} vs -tp 2",
                        NGRAM_PROMPTS)
+
+
+def test_prefix_hit_context_over_two_workspace_chunks_equals_plain_tp2(workdir,
+                                                                       plain_tp2):
+    """``-tp 2 -dcp 2`` (interleave 16, no speculation): ten prefills whose
+    contexts, prefix hits of 448 tokens, fill more than vLLM's context
+    workspace in one step (``make_chunk_waves``), so vLLM's chunked-context
+    loop cuts one request's context across two chunks and all-gathers each
+    over the DCP group's gloo group. Seen in the workers through vLLM's own
+    chunk metadata (``context_chunk_probe``); tokens equal stock ``-tp 2``'s."""
+    run = generate(workdir, "chunks_dcp2_i16", dcp=2, interleave=16,
+                   waves="chunk_wave", max_num_seqs=CHUNK_SEQS,
+                   budget=CHUNK_BUDGET, observe_chunks=True)
+    what = "-tp 2 -dcp 2 (interleave 16), a context over two workspace chunks"
+    assert run["features"] == {"enable_chunked_prefill": True,
+                               "enable_prefix_caching": True,
+                               "max_num_batched_tokens": CHUNK_BUDGET}, run["features"]
+    assert run["num_cached_tokens"][1:] == [CHUNK_PREFIX] * CHUNK_SEQS, (
+        what, run["num_cached_tokens"])
+    assert run["events"]["chunks"] > 0, run["events"]  # the first wave's prompt
+    workers = run["context_chunks"]
+    assert sorted(worker["dcp_rank"] for worker in workers) == [0, 1], workers
+    for worker in workers:
+        spans = spanning_calls(worker["calls"])
+        # One per MLA layer (2) of the step the second wave prefilled in.
+        assert len(spans) >= 2, (what, worker["dcp_rank"], worker["calls"])
+        for call in spans:
+            assert call["context_lens"] == [CHUNK_PREFIX] * CHUNK_SEQS, call
+            assert len(call["gathers"]) == len(call["chunks"]), call
+            assert {g["backend"] for g in call["gathers"]} == {"gloo"}, call
+        print(f"\nrank {worker['dcp_rank']}: {len(worker['calls'])} context "
+              f"loops, {len(spans)} over several chunks: {spans[0]['chunks']}")
+    for seq in plain_tp2["chunk_tokens"]:
+        assert len(set(seq)) > MAX_TOKENS // 3
+    assert_same_tokens(run["tokens"], plain_tp2["chunk_tokens"], f"{what} vs -tp 2",
+                       CHUNK_PROMPTS)
 
 
 # --- vllm serve over HTTP: preemption, aborts, idle KV usage, re-sent prompts ---

@@ -8,7 +8,8 @@ from the last line of stdout::
     python tests/support/greedy_run.py --model DIR --prompts-json FILE \
         --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR] \
         [--max-num-batched-tokens N] [--second-wave-json FILE] \
-        [--features-off | --prefix-caching --chunked-prefill] [--step-log FILE]
+        [--features-off | --prefix-caching --chunked-prefill] [--step-log FILE] \
+        [--observe-context-chunks]
 
 ``--draft`` speculates with a DSpark draft checkpoint; that needs Model
 Runner V2, which on CPU needs ``VLLM_DCP_CPU_MRV2=1`` in the environment
@@ -21,7 +22,10 @@ cache); their tokens follow the first wave's. ``--prefix-caching`` and
 stops before generating, naming it (a prompt longer than the token budget
 would otherwise wait forever). ``--step-log`` writes what vLLM's scheduler
 scheduled each step (``tests/support/step_log_scheduler.py``; the
-repository root must be on ``PYTHONPATH``).
+repository root must be on ``PYTHONPATH``). ``--observe-context-chunks``
+records, in each worker, what vLLM's MLA chunked-context loop did under DCP
+(``tests/support/context_chunk_probe.py``, same ``PYTHONPATH``): the output's
+``context_chunks`` holds each worker's records.
 
 Output: ``{"tokens": [[...] per prompt], "load_s": ..., "generate_s": ...,
 "spec": {...}, "features": {...}, "num_cached_tokens": [...], "counters": {...}}``:
@@ -124,6 +128,9 @@ def main() -> None:
     parser.add_argument("--chunked-prefill", action="store_true",
                         help="--enable-chunked-prefill; an error if vLLM turns it off")
     parser.add_argument("--step-log", help="log each step's schedule here")
+    parser.add_argument("--observe-context-chunks", action="store_true",
+                        help="record vLLM's MLA context chunks and DCP "
+                        "all-gathers in the workers")
     args = parser.parse_args()
     if args.draft and os.environ.get("VLLM_DCP_CPU_MRV2", "0") in ("", "0"):
         parser.error("--draft (DSpark) needs VLLM_DCP_CPU_MRV2=1 on CPU")
@@ -145,6 +152,10 @@ def main() -> None:
 
         os.environ[STEP_LOG_ENV] = args.step_log
         kwargs["scheduler_cls"] = QUALNAME
+    if args.observe_context_chunks:
+        from tests.support.context_chunk_probe import QUALNAME as PROBE
+
+        kwargs["worker_extension_cls"] = PROBE
     if args.ngram:
         kwargs["speculative_config"] = {
             "method": "ngram",
@@ -194,6 +205,8 @@ def main() -> None:
         if asked and not features[key]]
     if turned_off:
         raise SystemExit(f"vLLM turned {' and '.join(turned_off)} off: {features}")
+    if args.observe_context_chunks:
+        llm.collective_rpc("observe_mla_context_chunks")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                             ignore_eos=True, detokenize=False)
     outputs = [output for wave in waves for output in llm.generate(
@@ -205,6 +218,8 @@ def main() -> None:
                    for m in llm.get_metrics()}
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "context_chunks": (llm.collective_rpc("mla_context_chunks_seen")
+                           if args.observe_context_chunks else None),
         "load_s": round(loaded - start, 1),
         "generate_s": round(done - loaded, 1),
         "spec": {name: value for name, value in metrics.items()

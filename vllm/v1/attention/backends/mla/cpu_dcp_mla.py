@@ -12,8 +12,13 @@ verify and non-causal draft blocks alike.
 With DCP = 1 everything (builder, decode kernel, prefill) is upstream's,
 except in a DSpark draft's KV group: upstream's CPU decode takes one token per
 request, so the draft's non-causal block decodes on the same rows.
-Prefill is always upstream's: on CPU, MLA runs without chunked prefill and
-prefix caching, so a prefill never reads KV from the (sharded) cache.
+Prefill is always upstream's (``forward_mha``), and it does read KV from the
+(sharded) cache: a prefill with a context (a prefix-cache hit, or the earlier
+chunks of a chunked prefill; ``cpu_mla_prefill_context`` keeps both features
+on) runs vLLM's chunked-context path over the paged cache, one chunk of
+vLLM's context workspace at a time. Under DCP each rank gathers its own
+shard of each chunk and the DCP group all-gathers them (gloo on CPU) before
+vLLM reorders the interleaved rows.
 """
 
 from __future__ import annotations

@@ -23,12 +23,18 @@ Two touches of ``dcp_vllm_touches``, on CPU only:
   and prefix caching off for every MLA model without AMX tiles ("MLA is
   enabled on a non-GPU platform; forcing chunked prefill and prefix caching
   to be disabled"), also when the flags ask for them. Where the gathers are
-  registered and the model's layers are dense latent MLA (a
-  ``kv_lora_rank``, no sparse indexer) running ``CPU_MLA``, the platform hook is
-  followed by putting back what the engine arguments had set (both flags and
-  the token budget the platform raised to the model length), at every
-  ``-dcp``: ``--no-enable-prefix-caching`` / ``--no-enable-chunked-prefill``
-  still turn them off.
+  registered, the model's layers are dense latent MLA (a ``kv_lora_rank``,
+  no sparse indexer) running ``CPU_MLA``, and that backend serves the KV
+  cache dtype (its ``supported_kv_cache_dtypes``: vLLM's CPU context gather
+  asserts on a quantized cache, so ``--kv-cache-dtype fp8`` keeps vLLM's
+  choice), the platform hook is followed by putting back what the engine
+  arguments had set (both flags and the token budget the platform raised to
+  the model length), at every ``-dcp``, and one line says which features
+  were kept on: ``--no-enable-prefix-caching`` /
+  ``--no-enable-chunked-prefill`` still turn them off.
+  ``VLLM_DCP_CPU_PREFILL_FEATURES=0`` leaves the platform's choice (stock
+  vLLM); a misspelt value is refused by the start-up checks
+  (``dcp_startup_checks``), naming it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ logger = init_logger(__name__)
 _CACHE_OPS_NAMESPACE = "_C_cache_ops"
 _OPS = ("cp_gather_cache", "gather_and_maybe_dequant_cache")
 _MARK = "_dcp_dspark_keeps_mla_prefill_features"
+ENV_SWITCH = "VLLM_DCP_CPU_PREFILL_FEATURES"
 _LIBS: list[torch.library.Library] = []
 
 KEPT_ON_WHY = (
@@ -84,33 +91,70 @@ def install_context_gathers() -> bool:
     return True
 
 
-def _serves_context(vllm_config) -> bool:
-    """Whether this config's MLA layers are dense latent MLA running
-    ``CPU_MLA`` with the gathers. Never raises: a model this patch does
-    not serve (no ``kv_lora_rank``, sparse MLA) or a probe that fails
-    leaves the CPU platform's choice."""
+def switched_on() -> bool:
+    """``VLLM_DCP_CPU_PREFILL_FEATURES`` (default on). A misspelt value
+    counts as off here: the start-up checks, run next in the same hook,
+    refuse it naming the variable."""
+    from vllm.v1.worker.cpu.triton_interpreter_boot import env_flag
+
+    try:
+        return env_flag(ENV_SWITCH, default=True)
+    except ValueError:
+        return False
+
+
+def left_off_because(vllm_config) -> str | None:
+    """Why this config's MLA layers keep the CPU platform's choice; None
+    where they are dense latent MLA running ``CPU_MLA`` with the gathers,
+    on a KV cache dtype the backend declares. Never raises: a model this
+    patch does not serve (no ``kv_lora_rank``, sparse MLA) or a probe that
+    fails leaves the CPU platform's choice."""
     from vllm.v1.attention.backends.mla.dcp_startup_checks import (
-        _cpu_mla_backend,
+        cpu_mla_backend_cls,
         dense_mla_latent,
     )
 
-    if (dense_mla_latent(vllm_config.model_config) is None
-            or not context_gathers_present()):
-        return False
+    if dense_mla_latent(vllm_config.model_config) is None:
+        return "not dense latent MLA"
+    if not context_gathers_present():
+        return "this vLLM lacks the context gathers"
     try:
-        backend = _cpu_mla_backend(vllm_config,
-                                   vllm_config.attention_config.backend)
+        backend_cls = cpu_mla_backend_cls(vllm_config,
+                                          vllm_config.attention_config.backend)
     except Exception as error:  # vLLM's own start reports it, not this hook
-        logger.debug("MLA prefill features left off: the backend probe "
-                     "failed (%s)", error)
-        return False
-    return backend == "CPU_MLA"
+        return f"the backend probe failed ({error})"
+    if backend_cls.get_name() != "CPU_MLA":
+        return f"vLLM runs {backend_cls.get_name()}, not CPU_MLA"
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if not backend_cls.supports_kv_cache_dtype(cache_dtype):
+        return (f"CPU_MLA serves --kv-cache-dtype "
+                f"{'/'.join(backend_cls.supported_kv_cache_dtypes)}, not "
+                f"{cache_dtype} (vLLM's CPU context gather reads no quantized "
+                "cache)")
+    return None
+
+
+def kept_on_message(chunked: bool, prefix: bool, budget: int) -> str:
+    """The log line of ``keep_features_on``: which features it kept on (the
+    engine arguments' ``chunked``, ``prefix``), against vLLM's line before."""
+    on = [name for name, kept in (("chunked prefill", chunked),
+                                  ("prefix caching", prefix)) if kept]
+    off = [name for name, kept in (("chunked prefill", chunked),
+                                   ("prefix caching", prefix)) if not kept]
+    line = (f"vllm-dcp-dspark: {' and '.join(on)} kept on for MLA on CPU "
+            "(this overrides vLLM's line above forcing both off")
+    if off:
+        line += f"; {off[0]} stays off, as the engine arguments set it"
+    if chunked:
+        line += f"; token budget {budget}"
+    return line + f"): {KEPT_ON_WHY}. {ENV_SWITCH}=0 leaves vLLM's choice."
 
 
 def keep_features_on(vllm_config, before: tuple[bool, bool, int]) -> None:
     """Put back chunked prefill, prefix caching and the token budget as they
     were ``before`` the CPU platform's hook, if it turned them off for an MLA
-    model whose layers this patch serves."""
+    model whose layers this patch serves (``left_off_because``), unless
+    ``VLLM_DCP_CPU_PREFILL_FEATURES`` is off."""
     scheduler = vllm_config.scheduler_config
     cache = vllm_config.cache_config
     chunked, prefix, budget = before
@@ -119,16 +163,18 @@ def keep_features_on(vllm_config, before: tuple[bool, bool, int]) -> None:
                   or (prefix and not cache.enable_prefix_caching))
     if model is None or not model.use_mla or not turned_off:
         return
-    if not _serves_context(vllm_config):
+    if not switched_on():
+        logger.debug("MLA prefill features left off: %s is off", ENV_SWITCH)
+        return
+    reason = left_off_because(vllm_config)
+    if reason is not None:
+        logger.info_once("vllm-dcp-dspark: chunked prefill and prefix caching "
+                         "left off for MLA on CPU: %s.", reason)
         return
     scheduler.enable_chunked_prefill = chunked
     cache.enable_prefix_caching = prefix
     scheduler.max_num_batched_tokens = budget
-    logger.info_once(
-        "prefix caching and chunked prefill kept on for MLA on CPU: %s.",
-        KEPT_ON_WHY)
-
-
+    logger.info_once(kept_on_message(chunked, prefix, budget))
 def install_features_kept_on() -> bool:
     """Follow the CPU platform's config hook with ``keep_features_on``."""
     from vllm.platforms import current_platform

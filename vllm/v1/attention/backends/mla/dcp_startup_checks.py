@@ -262,7 +262,12 @@ def _check_cpu(vllm_config) -> None:
 
 
 def _cpu_mla_backend(vllm_config, backend) -> str:
-    """The MLA backend vLLM's own selector picks on this CPU (by name) for
+    """The name of ``cpu_mla_backend_cls``."""
+    return cpu_mla_backend_cls(vllm_config, backend).get_name()
+
+
+def cpu_mla_backend_cls(vllm_config, backend):
+    """The MLA backend class vLLM's own selector picks on this CPU for
     layers configured with ``backend`` (None: vLLM's choice); a model that
     is not dense latent MLA is asked for as vLLM's layers ask (its head
     size, ``use_sparse``), so vLLM's own answer (or refusal) stands."""
@@ -282,20 +287,23 @@ def _cpu_mla_backend(vllm_config, backend) -> str:
                 use_sparse=vllm_answer._sparse_mla(model.hf_text_config))
     finally:
         attention.backend = saved
-    return backend_cls.get_name()
+    return backend_cls
 
 
 def _check_cpu_switches(vllm_config) -> None:
     """The CPU switches' values, and the ``VLLM_DCP_CPU_MRV2`` route for
     what only Model Runner V2 runs (vLLM's own refusal does not name it)."""
     from vllm.model_executor.layers.rotary_embedding import cpu_multihead_rope_fix
+    from vllm.v1.attention.backends.mla import cpu_mla_prefill_context
     from vllm.v1.worker.cpu.triton_interpreter_boot import (
         ENV_SWITCH,
         enabled,
         env_flag,
     )
 
-    env_flag(cpu_multihead_rope_fix.ENV_SWITCH)  # raises on a misspelt value
+    for switch in (cpu_multihead_rope_fix.ENV_SWITCH,
+                   cpu_mla_prefill_context.ENV_SWITCH):
+        env_flag(switch)  # raises on a misspelt value, naming it
     spec = vllm_config.speculative_config
     if enabled() or spec is None:
         return

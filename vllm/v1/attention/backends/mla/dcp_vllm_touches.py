@@ -226,7 +226,8 @@ TOUCHES: tuple[Touch, ...] = (
         what="after the CPU platform's hook: chunked prefill, prefix caching "
              "and the token budget as the engine arguments set them, for dense "
              "MLA layers (kv_lora_rank, not sparse) on CPU_MLA with the context "
-             "gathers",
+             "gathers and a KV cache dtype CPU_MLA declares; read at each "
+             "config, VLLM_DCP_CPU_PREFILL_FEATURES=0 leaves vLLM's choice",
         installed_by=PLUGIN, applies=_on_cpu,
         install=f"{_CPU_CONTEXT}:install_features_kept_on"),
     Touch(
