@@ -1,13 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Each backend's DCP limits, as its class declares them (``dcp_limits``).
+"""Each backend's DCP limits, as its class declares them: vLLM's hooks on
+the class (GPU generations, KV dtypes, kernel block sizes, non-causal DCP)
+and its ``dcp_*`` attributes (what vLLM has no hook for).
 
-The record agrees with vLLM's own hooks on the class (kernel block sizes, KV
-dtypes, GPU generations, non-causal DCP) and with the launcher's copy of
-Tokenspeed's query limit; vLLM's MLA order is the one the start-up checks
-walk. Then, generated from each record, on sm90 and sm100: a setting inside
-every limit starts and one past each limit is refused, by the start-up
-checks (naming a flag) and by vLLM's selection of the plugin's class alike.
-The README's backend table is the records' rendering.
+Generated from each class, on sm90 and sm100: a setting inside every limit
+starts and one past each limit is refused, by the start-up check (naming a
+flag) and by vLLM's selection of the plugin's class alike. The README's
+backend table is the classes' rendering.
 """
 
 from __future__ import annotations
@@ -25,10 +24,10 @@ from tests.support.kernel_stubs import import_on_cpu
 from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 
 REPO = Path(__file__).resolve().parents[1]
-OVERRIDDEN = [name for name, limits in checks.LIMITS.items() if limits.overridden]
 MODULES = {"FLASHINFER_MLA": "flashinfer_dcp_mla", "TOKENSPEED_MLA": "tokenspeed_dcp_mla",
            "FLASHMLA": "flashmla_dcp_mla", "FLASH_ATTN_MLA": "flashattn_dcp_mla",
            "TRITON_MLA": "triton_dcp_mla", "CPU_MLA": "cpu_dcp_mla"}
+OVERRIDDEN = list(MODULES)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -48,77 +47,86 @@ def _backend_class(name: str):
         return AttentionBackendEnum[name].get_class()
 
 
-@pytest.mark.parametrize("name", list(checks.LIMITS))
-def test_record_agrees_with_the_class_hooks(tmp_path, name):
-    from vllm.config import set_current_vllm_config
-    from vllm.platforms.interface import DeviceCapability
-    from vllm.v1.attention.backend import MultipleOf
+def test_one_list_of_overridden_backends():
+    from vllm.v1.attention.backends.mla.dcp_vllm_touches import BACKEND_OVERRIDES
 
-    from tests.support.builder_harness import make_vllm_config
+    from tests.support.cuda_selection import OVERRIDDEN as SELECTION_OVERRIDDEN  # noqa
 
-    limits = checks.LIMITS[name]
-    cls = _backend_class(name)
-    if limits.overridden:
-        assert cls.__module__.endswith(MODULES[name]) and cls.dcp_limits is limits
-    sizes = tuple(s.base if isinstance(s, MultipleOf) else s
-                  for s in cls.get_supported_kernel_block_sizes())
-    assert sizes == limits.kernel_block_sizes
-    assert tuple(cls.supported_kv_cache_dtypes) == limits.kv_cache_dtypes
-    with set_current_vllm_config(make_vllm_config(tmp_path / "m", dcp=8,
-                                                  block_size=64)):
-        assert cls.supports_non_causal_dcp() == limits.non_causal
-        if limits.gpu_majors is not None:
-            # The record never claims a GPU the class refuses under DCP.
-            assert all(cls.supports_compute_capability(DeviceCapability(major, 0))
-                       for major in limits.gpu_majors)
+    assert {name for name, _ in BACKEND_OVERRIDES} == set(OVERRIDDEN)
+    assert set(SELECTION_OVERRIDDEN) == set(OVERRIDDEN)
+    for name in OVERRIDDEN:
+        assert issubclass(_backend_class(name), checks.DCPLimits)
+        assert _backend_class(name).__module__.endswith(MODULES[name])
 
 
 def test_tokenspeed_query_limit_is_the_launchers():
     from tools import serve_dcp_dspark as serve
 
-    assert checks.LIMITS["TOKENSPEED_MLA"].max_query_len == serve.TOKENSPEED_MAX_QUERY_LEN
+    assert _backend_class("TOKENSPEED_MLA").dcp_max_query_len == \
+        serve.TOKENSPEED_MAX_QUERY_LEN
+
+
+class Limits:
+    """A class's limits read off its hooks under DCP, as ``dcp_problems``
+    reads them (the generated cases and the README's table)."""
+
+    def __init__(self, name: str, tmp_path):
+        from vllm.config import set_current_vllm_config
+
+        from tests.support.builder_harness import make_vllm_config
+
+        self.cls = cls = _backend_class(name)
+        with set_current_vllm_config(make_vllm_config(tmp_path / name, dcp=8,
+                                                      block_size=64)), as_cuda_gpu(10):
+            self.gpu_majors = checks.gpu_majors(cls)
+            self.non_causal = cls.supports_non_causal_dcp()
+        self.fixed_block_size = checks.fixed_block_size(cls)
+        self.kernel_block_sizes = checks.kernel_block_sizes(cls)
+        self.kv_cache_dtypes = tuple(cls.supported_kv_cache_dtypes)
+        for attr in ("latent", "qk_nope_head_dims", "v_head_dims", "max_query_len",
+                     "dspark_interleave", "unquantized_on"):
+            setattr(self, attr, getattr(cls, f"dcp_{attr}"))
+
+    def reads(self, kv: str, major: int) -> bool:
+        return self.cls.dcp_reads(kv, major)
+
+
+@pytest.fixture(scope="module")
+def limits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("limits-of")
+    return {name: Limits(name, root) for name in OVERRIDDEN}
 
 
 # ---------------------------------------------------------------------------
-# Generated from the records: (backend, GPU major, limit, knobs, refused)
+# Generated from each class's limits: (backend, GPU major, the knob moved)
 
 BASE = dict(role="target", interleave=1, k=3, qk_nope=128)
+KNOBS = ("inside", "kv-auto", "kv-fp8", "block", "interleave", "draft-block",
+         "verify-over", "head-dims")
 
 
-def _base(limits, major: int) -> dict:
+def knobs_of(limits: Limits, major: int, knob: str) -> tuple[dict, bool]:
+    """The setting with ``knob`` moved past ``limits`` where it has one
+    (else inside them), and whether the class refuses it on sm``major``0."""
     kv = "auto" if limits.reads("auto", major) else "fp8"
-    return dict(BASE, kv=kv, block=max(limits.kernel_block_sizes))
+    base = dict(BASE, kv=kv, block=max(limits.kernel_block_sizes))
+    knobs, refused = {
+        "inside": (base, False),
+        "kv-auto": (dict(base, kv="auto"), not limits.reads("auto", major)),
+        "kv-fp8": (dict(base, kv="fp8"), not limits.reads("fp8", major)),
+        "block": (dict(base, block=min(limits.kernel_block_sizes) // 2), True),
+        "interleave": (dict(base, interleave=16),
+                       limits.dspark_interleave not in (None, 16)),
+        "draft-block": (dict(base, role="draft"), not limits.non_causal),
+        "verify-over": (dict(base, k=limits.max_query_len or 7),
+                        limits.max_query_len is not None),
+        "head-dims": (dict(base, qk_nope=96), limits.qk_nope_head_dims is not None),
+    }[knob]
+    return knobs, refused or major not in limits.gpu_majors
 
 
-def limit_cases():
-    for name in OVERRIDDEN:
-        limits = checks.LIMITS[name]
-        if limits.fixed_block_size:  # CPU_MLA: tests/test_dcp_startup_checks.py
-            continue
-        for major in (9, 10):
-            base = _base(limits, major)
-            if major not in (limits.gpu_majors or (major,)):
-                yield name, major, "gpu", base, True
-                continue
-            yield name, major, "inside", base, False
-            for kv in ("auto", "fp8"):
-                if not limits.reads(kv, major):
-                    yield name, major, "kv-dtype", dict(base, kv=kv), True
-            if min(limits.kernel_block_sizes) >= 16:
-                yield (name, major, "block", dict(base, block=min(
-                    limits.kernel_block_sizes) // 2), True)
-            yield (name, major, "interleave", dict(base, interleave=16),
-                   limits.dspark_interleave not in (None, 16))
-            yield (name, major, "draft-block", dict(base, role="draft"),
-                   not limits.non_causal)
-            if limits.max_query_len is not None:
-                for k in (limits.max_query_len - 1, limits.max_query_len):
-                    yield name, major, f"verify-{k + 1}", dict(base, k=k), k == limits.max_query_len
-            if limits.qk_nope_head_dims is not None:
-                yield name, major, "head-dims", dict(base, qk_nope=96), True
-
-
-CASES = list(limit_cases())
+CASES = [(name, major, knob) for name in OVERRIDDEN if name != "CPU_MLA"
+         for major in (9, 10) for knob in KNOBS]
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +145,13 @@ def models(tmp_path_factory):
     return pairs
 
 
-@pytest.mark.parametrize("name,major,limit,knobs,refused", CASES,
+@pytest.mark.parametrize("name,major,knob", CASES,
                          ids=[f"{c[0]}-sm{c[1]}0-{c[2]}" for c in CASES])
-def test_each_limit_refused_at_start_up_and_by_selection(models, name, major, limit,
-                                                         knobs, refused):
+def test_each_limit_refused_at_start_up_and_by_selection(models, limits, name, major,
+                                                         knob):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    knobs, refused = knobs_of(limits[name], major, knob)
 
     target, draft = models[knobs["qk_nope"]]
     named = dict(attention_backend=name)
@@ -178,33 +188,33 @@ TABLE_HEADER = ("| backend under DCP | GPUs | KV cache | pages by (tokens) | DSp
                 "latent, head dims |\n|---|---|---|---|---|---|---|---|")
 
 
-def render_table() -> str:
+def render_table(limits: dict[str, Limits]) -> str:
     rows = [TABLE_HEADER]
-    for name, limits in checks.LIMITS.items():
-        if not limits.overridden:
-            continue
-        gpus = ("CPU" if limits.fixed_block_size else "any" if limits.gpu_majors is None
-                else ", ".join(f"sm{m}0" for m in limits.gpu_majors))
+    for name, each in limits.items():
+        gpus = ("CPU" if each.fixed_block_size else
+                ", ".join(f"sm{m}0" for m in each.gpu_majors)
+                if set(each.gpu_majors) != set(checks.GPU_MAJORS) else "any")
         kv = ", ".join(dict.fromkeys(
             "unquantized" if dtype in checks.UNQUANTIZED else "fp8"
-            for dtype in limits.kv_cache_dtypes))
-        if limits.unquantized_on:
-            kv += " (" + ", ".join(f"sm{m}0" for m in limits.unquantized_on) + ": unquantized)"
-        pages = ("fixed " if limits.fixed_block_size else "multiples of ") + " or ".join(
-            map(str, limits.kernel_block_sizes))
-        dims = "any" if limits.latent is None else " + ".join(map(str, limits.latent))
-        for what, allowed in (("qk_nope", limits.qk_nope_head_dims),
-                              ("v", limits.v_head_dims)):
+            for dtype in each.kv_cache_dtypes))
+        if each.unquantized_on:
+            kv += " (" + ", ".join(f"sm{m}0" for m in each.unquantized_on) + ": unquantized)"
+        pages = ("fixed " if each.fixed_block_size else "multiples of ") + " or ".join(
+            map(str, each.kernel_block_sizes))
+        dims = "any" if each.latent is None else " + ".join(map(str, each.latent))
+        for what, allowed in (("qk_nope", each.qk_nope_head_dims),
+                              ("v", each.v_head_dims)):
             if allowed:
                 dims += f"; {what} " + "/".join(map(str, allowed))
         rows.append(" | ".join([
-            f"| `{name}`", gpus, kv, pages, "yes" if limits.non_causal else "no",
-            "any" if limits.max_query_len is None else f"<= {limits.max_query_len}",
-            "any" if limits.dspark_interleave is None else str(limits.dspark_interleave),
+            f"| `{name}`", gpus, kv, pages, "yes" if each.non_causal else "no",
+            "any" if each.max_query_len is None else f"<= {each.max_query_len}",
+            "any" if each.dspark_interleave is None else str(each.dspark_interleave),
             dims]) + " |")
     return "\n".join(rows)
 
 
-def test_readme_table_is_the_records():
+def test_readme_table_is_the_classes(limits):
     readme = (REPO / "README.md").read_text()
-    assert render_table() in readme, "README's backend table:\n" + render_table()
+    table = render_table(limits)
+    assert table in readme, "README's backend table:\n" + table

@@ -23,8 +23,13 @@ import torch
 
 from tests.support.kernel_stubs import cuda_properties_for_import, flash_attn_entry_points
 
-OVERRIDDEN = ("FLASHINFER_MLA", "TOKENSPEED_MLA", "CPU_MLA", "TRITON_MLA",
-              "FLASHMLA", "FLASH_ATTN_MLA")
+def _overridden() -> tuple[str, ...]:
+    from vllm.v1.attention.backends.mla.dcp_vllm_touches import BACKEND_OVERRIDES
+
+    return tuple(name for name, _ in BACKEND_OVERRIDES)
+
+
+OVERRIDDEN = _overridden()
 
 
 def _cuda_platform_cls():

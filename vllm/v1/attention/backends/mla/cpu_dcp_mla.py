@@ -35,7 +35,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionLayer
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
-from vllm.v1.attention.backends.mla.dcp_config_checks import LIMITS, DCPLimits
+from vllm.v1.attention.backends.mla.dcp_config_checks import DCPLimits
 from vllm.v1.attention.backends.mla.dcp_epilogue import finish_rows_decode
 from vllm.v1.attention.backends.mla.dcp_metadata import (
     DCPDecodeBuilderMixin,
@@ -154,10 +154,8 @@ class CPUDCPMLAImpl(DCPRowsImplMixin, CPUMLAImpl):
         return finish_rows_decode(self, out, lse, rows)
 
 
-class CPUDCPMLABackend(CPUMLABackend):
+class CPUDCPMLABackend(DCPLimits, CPUMLABackend):
     """``CPU_MLA`` with DCP support (registered over it by the plugin)."""
-
-    dcp_limits: ClassVar[DCPLimits] = LIMITS["CPU_MLA"]
 
     @staticmethod
     def get_impl_cls() -> type[CPUDCPMLAImpl]:

@@ -143,7 +143,7 @@ class DCPDecodeBuilderMixin:
                 for draft in {setting.draft, *layer_roles(self.vllm_config,
                                                           layer_names)}:
                     checks.raise_if_unsupported(
-                        self.dcp_backend,
+                        checks.plugin_backend(self.dcp_backend),
                         setting if draft == setting.draft else
                         DCPSetting.for_builder(self, layer_names, gpu_major,
                                                rank, draft=draft),

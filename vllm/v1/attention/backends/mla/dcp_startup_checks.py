@@ -43,7 +43,7 @@ logger = init_logger(__name__)
 __all__ = ["check_vllm_config", "dense_mla_latent", "install", "judge"]
 
 _MARK = "_dcp_dspark_startup_checks"
-FALLBACK = "TRITON_MLA"
+FALLBACK = checks.FALLBACK
 # Block sizes tried for a fix, each rounded up to a multiple of the interleave.
 _FIX_BLOCK_SIZES = (16, 32, 64, 128, 256)
 # On a GPU vLLM is asked in a spawned child process; tests that fake a GPU's
@@ -63,18 +63,26 @@ def _layers(layer: vllm_answer.LayersAnswer) -> str:
 def _dcp_problems(vllm_config, answer: vllm_answer.VllmAnswer, gpu_major) -> list[str]:
     """What DCP adds to vLLM's answer: each picked backend's DCP limits for
     its layers at the block size vLLM pages them with."""
+    from vllm.config import set_current_vllm_config
+
     found: list[str] = []
     for layer in answer.layers:
-        limits = checks.LIMITS.get(layer.backend)
-        if limits is None or answer.block_size is None:
-            continue  # no DCP limits of this plugin's, or vLLM refused first
+        if answer.block_size is None:
+            continue  # vLLM refused first
         setting = dataclasses.replace(
             DCPSetting.from_vllm_config(vllm_config, gpu_major, draft=layer.draft),
             block_size=answer.block_size, kv_cache_dtype=layer.kv_cache_dtype)
-        found += [problem for problem in checks.problems(limits, setting,
-                                                         kernel_blocks=False)
-                  if problem not in found]
+        with set_current_vllm_config(vllm_config):  # the hooks read its DCP size
+            found += [problem for problem in checks.problems(
+                          _backend_class(layer.backend), setting, kernel_blocks=False)
+                      if problem not in found]
     return found
+
+
+def _backend_class(name: str) -> type:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum[name].get_class()
 
 
 def _serves(vllm_config, gpu_major) -> vllm_answer.VllmAnswer | None:
@@ -237,18 +245,18 @@ def _check_cpu(vllm_config) -> None:
     attention_backend, but for DeepSeek-V4 drafts)."""
     spec = vllm_config.speculative_config
     target = vllm_config.attention_config.backend
-    choices = [(target, False, vllm_answer.TARGET_FLAG)]
+    choices = [(target, False, checks.TARGET_FLAG)]
     if spec is not None and spec.method == "dspark":
-        draft, flag = spec.attention_backend, vllm_answer.DRAFT_FLAG
+        draft, flag = spec.attention_backend, checks.DRAFT_FLAG
         draft_hf = getattr(spec.draft_model_config, "hf_config", None)
         if draft is None and getattr(draft_hf, "model_type", None) in (
                 "deepseek_v4", "deepseek_v41"):
-            draft, flag = target, vllm_answer.TARGET_FLAG
+            draft, flag = target, checks.TARGET_FLAG
         choices.append((draft, True, flag))
     for backend, draft, flag in choices:
-        name = _cpu_mla_backend(vllm_config, backend)
+        name = cpu_mla_backend_cls(vllm_config, backend).get_name()
         chosen_by = flag if backend is not None else "vLLM on this CPU"
-        if name not in checks.LIMITS:  # AMX_MLA on a CPU with AMX
+        if name not in checks.plugin_backend_names():  # AMX_MLA on a CPU with AMX
             layers, fix = (
                 ("the DSpark draft's layers",
                  'add "attention_backend": "CPU_MLA" to --speculative-config')
@@ -257,13 +265,8 @@ def _check_cpu(vllm_config) -> None:
             raise ValueError(f"vLLM {picked} for {layers} on this CPU, which has "
                              f"no decode context parallelism: {fix}.")
         checks.raise_if_unsupported(
-            name, DCPSetting.from_vllm_config(vllm_config, None, draft=draft),
+            checks.plugin_backend(name), DCPSetting.from_vllm_config(vllm_config, None, draft=draft),
             chosen_by=chosen_by)
-
-
-def _cpu_mla_backend(vllm_config, backend) -> str:
-    """The name of ``cpu_mla_backend_cls``."""
-    return cpu_mla_backend_cls(vllm_config, backend).get_name()
 
 
 def cpu_mla_backend_cls(vllm_config, backend):

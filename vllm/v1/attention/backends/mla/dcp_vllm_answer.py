@@ -33,13 +33,11 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+from vllm.v1.attention.backends.mla.dcp_config_checks import DRAFT_FLAG, TARGET_FLAG
 from vllm.v1.attention.backends.mla.dcp_settings import (
     draft_layer_indices,
     reads_kv_cache_dtype_skip_layers,
 )
-
-TARGET_FLAG = "--attention-backend"
-DRAFT_FLAG = "attention_backend in --speculative-config"
 
 
 @dataclass(frozen=True)

@@ -338,6 +338,14 @@ TOUCHES: tuple[Touch, ...] = (
              "a copy of the cache config over stand-in layers",
         installed_by=NOBODY),
     Touch(
+        name="cuda_mla_backend_order",
+        target="vllm.platforms.cuda._get_backend_priorities",
+        change=READS,
+        what="dcp_config_checks: vLLM's MLA order on a GPU, the order in which "
+             "an error names the plugin's backends that serve the setting "
+             "(private)",
+        installed_by=NOBODY),
+    Touch(
         name="dspark_draft_backend",
         target="vllm.v1.worker.gpu.spec_decode.dspark.utils."
                "_resolve_dspark_attention_backend",

@@ -67,7 +67,7 @@ class FlashInferDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, FlashInferMLAMetada
 
     supports_non_causal_multi_token_decode: ClassVar[bool] = True
     supports_non_causal_multi_token_dcp: ClassVar[bool] = True
-    dcp_backend = checks.FLASHINFER_MLA
+    dcp_backend = "FLASHINFER_MLA"
 
     def __init__(
         self,
@@ -209,10 +209,12 @@ class FlashInferDCPMLAImpl(DCPRowsImplMixin, FlashInferMLAImpl):
         return out.view(num_rows, q.shape[1], -1), lse.view(num_rows, q.shape[1])
 
 
-class FlashInferDCPMLABackend(checks.DCPLimitsSelection, FlashInferMLABackend):
+class FlashInferDCPMLABackend(checks.DCPSelection, FlashInferMLABackend):
     """``FLASHINFER_MLA`` with DCP x DSpark rows; sm90 and sm100."""
 
-    dcp_limits: ClassVar[checks.DCPLimits] = checks.LIMITS["FLASHINFER_MLA"]
+    # sm90 runs FA3 over an unquantized cache; the rows need these nope dims.
+    dcp_unquantized_on: ClassVar[tuple[int, ...]] = (9,)
+    dcp_qk_nope_head_dims: ClassVar[tuple[int, ...]] = (64, 128, 192)
 
     @staticmethod
     def get_impl_cls() -> type[FlashInferDCPMLAImpl]:

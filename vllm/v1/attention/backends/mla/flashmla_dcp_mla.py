@@ -70,7 +70,7 @@ class FlashMLADCPMetadataBuilder(DCPDecodeBuilderMixin, FlashMLAMetadataBuilder)
     """FlashMLA builder that, under DCP, fills the rows and plans FlashMLA on
     them once per forward; upstream's builder otherwise."""
 
-    dcp_backend = checks.FLASHMLA
+    dcp_backend = "FLASHMLA"
 
     def __init__(
         self,
@@ -195,10 +195,16 @@ class FlashMLADCPImpl(DCPRowsImplMixin, FlashMLAImpl):
         return out, (lse if self.need_to_return_lse_for_decode else None)
 
 
-class FlashMLADCPBackend(checks.DCPLimitsSelection, FlashMLABackend):
+class FlashMLADCPBackend(checks.DCPSelection, FlashMLABackend):
     """``FLASHMLA`` with DCP x DSpark rows (sm90)."""
 
-    dcp_limits: ClassVar[checks.DCPLimits] = checks.LIMITS["FLASHMLA"]
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        # The DCP rows are Hopper's (FA3 and FlashMLA's sm90 kernels); at DCP
+        # size 1 vLLM's own answer stands.
+        if current_dcp_size() > 1:
+            return capability.major == 9
+        return super().supports_compute_capability(capability)
 
     @staticmethod
     def get_impl_cls() -> type[FlashMLADCPImpl]:

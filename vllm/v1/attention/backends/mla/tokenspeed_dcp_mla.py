@@ -49,7 +49,7 @@ class TokenspeedDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TokenspeedMLAMetada
     impl's per-row path).
     """
 
-    dcp_backend = checks.TOKENSPEED_MLA
+    dcp_backend = "TOKENSPEED_MLA"
 
 
 class TokenspeedDCPMLAImpl(DCPRowsImplMixin, TokenspeedMLAImpl):
@@ -125,10 +125,14 @@ class TokenspeedDCPMLAImpl(DCPRowsImplMixin, TokenspeedMLAImpl):
         return finish_rows_decode(self, out, lse, decode.flat)
 
 
-class TokenspeedDCPMLABackend(checks.DCPLimitsSelection, TokenspeedMLABackend):
+class TokenspeedDCPMLABackend(checks.DCPSelection, TokenspeedMLABackend):
     """``TOKENSPEED_MLA`` reading the per-forward DCP metadata; sm100 only."""
 
-    dcp_limits: ClassVar[checks.DCPLimits] = checks.LIMITS["TOKENSPEED_MLA"]
+    # tokenspeed-mla's fused decode: at most 8 query tokens per request,
+    # Kimi-K3's head dims.
+    dcp_max_query_len: ClassVar[int] = 8
+    dcp_qk_nope_head_dims: ClassVar[tuple[int, ...]] = (128,)
+    dcp_v_head_dims: ClassVar[tuple[int, ...]] = (128,)
 
     @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:

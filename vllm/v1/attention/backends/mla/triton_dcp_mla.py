@@ -72,7 +72,7 @@ class TritonDCPMLAMetadataBuilder(DCPDecodeBuilderMixin, TritonMLAMetadataBuilde
 
     # Only consulted with DCP (vLLM's selector and DSpark validation).
     supports_non_causal_multi_token_dcp: ClassVar[bool] = True
-    dcp_backend = checks.TRITON_MLA
+    dcp_backend = "TRITON_MLA"
 
     def __init__(
         self,
@@ -153,10 +153,10 @@ class TritonDCPMLAImpl(DCPRowsImplMixin, TritonMLAImpl):
         return finish_rows_decode(self, out, lse, rows)
 
 
-class TritonDCPMLABackend(TritonMLABackend):
+class TritonDCPMLABackend(checks.DCPLimits, TritonMLABackend):
     """``TRITON_MLA`` with DCP x DSpark rows."""
 
-    dcp_limits: ClassVar[checks.DCPLimits] = checks.LIMITS["TRITON_MLA"]
+    dcp_latent: ClassVar[None] = None
 
     @staticmethod
     def get_impl_cls() -> type[TritonDCPMLAImpl]:
