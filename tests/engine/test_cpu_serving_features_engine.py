@@ -388,12 +388,14 @@ def test_ngram_dcp2_serving_features_equal_plain_tp2(workdir, plain_tp2):
 
 def test_prefix_hit_context_over_two_workspace_chunks_equals_plain_tp2(workdir,
                                                                        plain_tp2):
-    """``-tp 2 -dcp 2`` (interleave 16, no speculation): prefills whose
-    contexts, prefix hits of 448 tokens, fill more than vLLM's context
+    """``-tp 2 -dcp 2`` (interleave 16, no speculation): eleven prefills
+    whose contexts, prefix hits of 384 tokens, fill more than vLLM's context
     workspace in one step (``make_chunk_waves``), so vLLM's chunked-context
     loop cuts one request's context across two chunks and all-gathers each
     over the DCP group's gloo group. Seen in the workers through vLLM's own
-    chunk metadata (``context_chunk_probe``); tokens equal stock ``-tp 2``'s."""
+    chunk metadata (``context_chunk_probe``); tokens equal stock ``-tp 2``'s.
+    Seen failing with the plugin's ``cp_gather_cache`` ignoring a chunk's
+    start (``seq_starts``): the cut request's tokens differ from the first."""
     run = generate(workdir, "chunks_dcp2_i16", dcp=2, interleave=16,
                    waves="chunk_wave", max_num_seqs=CHUNK_SEQS,
                    budget=CHUNK_BUDGET, observe_chunks=True)
@@ -417,7 +419,7 @@ def test_prefix_hit_context_over_two_workspace_chunks_equals_plain_tp2(workdir,
         assert len(hits) >= 2, (what, worker["dcp_rank"], worker["calls"])
         print(f"\nrank {worker['dcp_rank']}: {len(worker['calls'])} context "
               f"loops, {len(spans)} over several chunks: {hits[0]['chunks']}")
-    # Outputs that depend on each prompt's tail, not one repeated answer.
+    # Varied outputs, one per prompt, not one repeated answer.
     chunk_tokens = plain_tp2["chunk_tokens"]
     print(f"distinct tokens per output: {[len(set(seq)) for seq in chunk_tokens]}")
     assert len({tuple(seq[:8]) for seq in chunk_tokens}) == len(CHUNK_PROMPTS)
