@@ -38,7 +38,14 @@ preempt (recompute) and clients that abort streams mid-way: tokens equal
 stock ``-tp 2``'s, the server stays healthy, its KV usage returns to zero
 when idle, and the first wave sent again gives the same tokens.
 
-Five engines (stock ``-tp 2``, three offline runs, one server): about 9
+``-tp 2 -dcp 2`` (interleave 16, no speculation) with eleven prompts that
+hit their own 384-token cached prefixes in one step: more context than
+vLLM's MLA context workspace holds, so vLLM's chunked-context loop cuts one
+request's context across two chunks, each all-gathered over the DCP
+group's gloo group, seen in the workers through vLLM's own chunk metadata
+(``tests/support/context_chunk_probe.py``, a ``worker_extension_cls``).
+
+Six engines (stock ``-tp 2``, four offline runs, one server): about 9
 minutes on 2 cores shared with other jobs (load 5). Run:
 ``pytest -m engine tests/engine/test_cpu_serving_features_engine.py``.
 """
@@ -125,25 +132,36 @@ def make_ngram_waves() -> list[list[list[int]]]:
 # chunk, ``determine_chunked_prefill_workspace_size``) at
 # max(8 x max_model_len, 4 x max_num_seqs x block size): 4096 here, while a
 # context stays below max_model_len (512). So a context spans two chunks only
-# where more than eight prefills with long contexts share a step: ten
-# prompts hitting a 448-token cached prefix (4480 rows; under DCP 2 each rank
-# gathers 224 of each, 2048 per chunk), their tails in one step's budget.
-CHUNK_PREFIX = 448
-CHUNK_SEQS = 10
+# where more than eight prefills with long contexts share a step. Here
+# eleven prompts hit 384-token cached prefixes in one step: under DCP 2 each
+# rank gathers 192 rows of each, 2112 > 2048 per chunk, so vLLM cuts the
+# eleventh context after 256 tokens and gathers its last 128 in a second
+# chunk (with 448-token prefixes the cut fell 64 tokens in, and a gather
+# ignoring the chunk's start changed no token). The second wave is queued
+# with scheduling paused (``--second-wave-together``): sent as usual, the
+# engine core scheduled the first to arrive a step early (seen: one alone,
+# then nine together, in one chunk).
+CHUNK_PREFIX = 384
+CHUNK_SEQS = 11
 CHUNK_BUDGET = 128
 
 
 def make_chunk_waves() -> list[list[list[int]]]:
-    """The workspace run's waves: one prompt ``q`` (448 tokens) + tail fills
-    the cache (chunked prefill, budget 128), then ten prompts ``q`` + a tail
-    of 3 to 12 tokens (prefills, not decodes) hit it together."""
+    """The workspace run's waves: eleven prompts, each its own prefix (384
+    tokens) + 7 tokens, fill the cache (chunked prefill, budget 128); then
+    each prefix again + a new tail of 3 to 8 tokens (prefills, not decodes;
+    together within the budget) hits it. Each request's context is its
+    own, so a context read from another request's or another chunk's rows
+    shows in its tokens (with one prefix shared by all, a gather ignoring a
+    chunk's start passed)."""
     gen = torch.Generator().manual_seed(41)
 
     def rand(n: int) -> list[int]:
         return torch.randint(4, 256, (n,), generator=gen).tolist()
 
-    q = rand(CHUNK_PREFIX)
-    return [[q + rand(7)], [q + rand(3 + i) for i in range(CHUNK_SEQS)]]
+    prefixes = [rand(CHUNK_PREFIX) for _ in range(CHUNK_SEQS)]
+    return [[q + rand(7) for q in prefixes],
+            [q + rand(3 + i % 6) for i, q in enumerate(prefixes)]]
 
 
 WAVES = make_waves()
@@ -191,8 +209,9 @@ def generate(workdir: Path, name: str, *, tp=2, dcp=1, interleave=1, draft=None,
     ``features`` two waves (files ``{waves}1.json``, ``{waves}2.json``) with
     prefix caching, chunked prefill, the ``budget`` and the step log; without,
     all prompts (``PROMPTS + NGRAM_PROMPTS + CHUNK_PROMPTS``) at once with
-    both off. ``observe_chunks``: the workers record vLLM's MLA context
-    chunks (``tests/support/context_chunk_probe.py``)."""
+    both off. ``observe_chunks``: the second wave queued before any of it is
+    scheduled, and the workers record vLLM's MLA context chunks
+    (``tests/support/context_chunk_probe.py``)."""
     if name in _RUNS:
         return _RUNS[name]
     step_log = workdir / f"{name}.steps.jsonl" if features else None
@@ -206,10 +225,10 @@ def generate(workdir: Path, name: str, *, tp=2, dcp=1, interleave=1, draft=None,
                 "--second-wave-json", str(workdir / f"{waves}2.json"),
                 "--max-num-batched-tokens", str(budget), "--step-log", str(step_log),
                 *SERVING_FEATURES]
-    if observe_chunks:
-        cmd += ["--observe-context-chunks"]
     else:
         cmd += ["--prompts-json", str(workdir / "prompts.json"), "--features-off"]
+    if observe_chunks:
+        cmd += ["--observe-context-chunks", "--second-wave-together"]
     if ngram:
         cmd += ["--ngram-lookup-min", "1"]
     if draft is not None:
@@ -369,12 +388,14 @@ def test_ngram_dcp2_serving_features_equal_plain_tp2(workdir, plain_tp2):
 
 def test_prefix_hit_context_over_two_workspace_chunks_equals_plain_tp2(workdir,
                                                                        plain_tp2):
-    """``-tp 2 -dcp 2`` (interleave 16, no speculation): ten prefills whose
-    contexts, prefix hits of 448 tokens, fill more than vLLM's context
+    """``-tp 2 -dcp 2`` (interleave 16, no speculation): eleven prefills
+    whose contexts, prefix hits of 384 tokens, fill more than vLLM's context
     workspace in one step (``make_chunk_waves``), so vLLM's chunked-context
     loop cuts one request's context across two chunks and all-gathers each
     over the DCP group's gloo group. Seen in the workers through vLLM's own
-    chunk metadata (``context_chunk_probe``); tokens equal stock ``-tp 2``'s."""
+    chunk metadata (``context_chunk_probe``); tokens equal stock ``-tp 2``'s.
+    Seen failing with the plugin's ``cp_gather_cache`` ignoring a chunk's
+    start (``seq_starts``): the cut request's tokens differ from the first."""
     run = generate(workdir, "chunks_dcp2_i16", dcp=2, interleave=16,
                    waves="chunk_wave", max_num_seqs=CHUNK_SEQS,
                    budget=CHUNK_BUDGET, observe_chunks=True)
@@ -382,23 +403,26 @@ def test_prefix_hit_context_over_two_workspace_chunks_equals_plain_tp2(workdir,
     assert run["features"] == {"enable_chunked_prefill": True,
                                "enable_prefix_caching": True,
                                "max_num_batched_tokens": CHUNK_BUDGET}, run["features"]
-    assert run["num_cached_tokens"][1:] == [CHUNK_PREFIX] * CHUNK_SEQS, (
+    assert run["num_cached_tokens"] == [0] * CHUNK_SEQS + [CHUNK_PREFIX] * CHUNK_SEQS, (
         what, run["num_cached_tokens"])
-    assert run["events"]["chunks"] > 0, run["events"]  # the first wave's prompt
+    assert run["events"]["chunks"] > 0, run["events"]  # the first wave's prompts
     workers = run["context_chunks"]
     assert sorted(worker["dcp_rank"] for worker in workers) == [0, 1], workers
     for worker in workers:
         spans = spanning_calls(worker["calls"])
-        # One per MLA layer (2) of the step the second wave prefilled in.
-        assert len(spans) >= 2, (what, worker["dcp_rank"], worker["calls"])
         for call in spans:
-            assert call["context_lens"] == [CHUNK_PREFIX] * CHUNK_SEQS, call
             assert len(call["gathers"]) == len(call["chunks"]), call
             assert {g["backend"] for g in call["gathers"]} == {"gloo"}, call
+        hits = [call for call in spans
+                if call["context_lens"] == [CHUNK_PREFIX] * CHUNK_SEQS]
+        # One per MLA layer (2) of the step the second wave prefilled in.
+        assert len(hits) >= 2, (what, worker["dcp_rank"], worker["calls"])
         print(f"\nrank {worker['dcp_rank']}: {len(worker['calls'])} context "
-              f"loops, {len(spans)} over several chunks: {spans[0]['chunks']}")
-    for seq in plain_tp2["chunk_tokens"]:
-        assert len(set(seq)) > MAX_TOKENS // 3
+              f"loops, {len(spans)} over several chunks: {hits[0]['chunks']}")
+    # Varied outputs, one per prompt, not one repeated answer.
+    chunk_tokens = plain_tp2["chunk_tokens"]
+    print(f"distinct tokens per output: {[len(set(seq)) for seq in chunk_tokens]}")
+    assert len({tuple(seq[:8]) for seq in chunk_tokens}) == len(CHUNK_PROMPTS)
     assert_same_tokens(run["tokens"], plain_tp2["chunk_tokens"], f"{what} vs -tp 2",
                        CHUNK_PROMPTS)
 

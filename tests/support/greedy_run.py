@@ -9,7 +9,7 @@ from the last line of stdout::
         --tp 2 --dcp 2 --interleave 16 --max-tokens 64 [--ngram 3 | --draft DIR] \
         [--max-num-batched-tokens N] [--second-wave-json FILE] \
         [--features-off | --prefix-caching --chunked-prefill] [--step-log FILE] \
-        [--observe-context-chunks]
+        [--second-wave-together] [--observe-context-chunks]
 
 ``--draft`` speculates with a DSpark draft checkpoint; that needs Model
 Runner V2, which on CPU needs ``VLLM_DCP_CPU_MRV2=1`` in the environment
@@ -17,7 +17,10 @@ this process starts with (the switch acts at interpreter start).
 
 ``--second-wave-json`` generates a second list of prompts after the first
 (with prefix caching on, prompts sharing a prefix with the first wave hit the
-cache); their tokens follow the first wave's. ``--prefix-caching`` and
+cache); their tokens follow the first wave's. ``--second-wave-together``
+queues it with vLLM's scheduling paused (``LLM.sleep(level=0)``,
+``enqueue``, ``wake_up(["scheduling"])``): otherwise the engine core may
+schedule the first request to arrive before the others. ``--prefix-caching`` and
 ``--chunked-prefill`` ask vLLM for them; where vLLM turns one off the run
 stops before generating, naming it (a prompt longer than the token budget
 would otherwise wait forever). ``--step-log`` writes what vLLM's scheduler
@@ -120,6 +123,10 @@ def main() -> None:
                         "a small one cuts verify blocks and chunks prefills")
     parser.add_argument("--second-wave-json",
                         help="JSON list of token-id lists, generated after the first")
+    parser.add_argument("--second-wave-together", action="store_true",
+                        help="queue the second wave with scheduling paused, so "
+                        "that its requests are first scheduled in one step "
+                        "(as far as the budget and --max-num-seqs allow)")
     parser.add_argument("--features-off", action="store_true",
                         help="prefix caching and chunked prefill off (as "
                         "vLLM's CPU platform runs MLA without this project)")
@@ -209,8 +216,18 @@ def main() -> None:
         llm.collective_rpc("observe_mla_context_chunks")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                             ignore_eos=True, detokenize=False)
-    outputs = [output for wave in waves for output in llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in wave], params, use_tqdm=False)]
+    outputs = []
+    for index, wave in enumerate(waves):
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in wave]
+        if index and args.second_wave_together:
+            # vLLM's way to queue requests before any is scheduled: pause
+            # scheduling (sleep level 0), enqueue, resume.
+            llm.sleep(level=0)
+            llm.enqueue(prompts, params, use_tqdm=False)
+            llm.wake_up(tags=["scheduling"])
+            outputs += llm.wait_for_completion(use_tqdm=False)
+        else:
+            outputs += llm.generate(prompts, params, use_tqdm=False)
     done = time.perf_counter()
     metrics = {}
     if counting:

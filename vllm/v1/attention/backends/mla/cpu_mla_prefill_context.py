@@ -175,6 +175,8 @@ def keep_features_on(vllm_config, before: tuple[bool, bool, int]) -> None:
     cache.enable_prefix_caching = prefix
     scheduler.max_num_batched_tokens = budget
     logger.info_once(kept_on_message(chunked, prefix, budget))
+
+
 def install_features_kept_on() -> bool:
     """Follow the CPU platform's config hook with ``keep_features_on``."""
     from vllm.platforms import current_platform
