@@ -43,9 +43,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BASE_URL = "http://127.0.0.1:8000/v1"
-# Links to docs another change of the same issue writes (issue 48's CPU
-# share): allowed to be missing until it lands.
-PENDING_LINKS = {"docs/cpu-serving.md"}
 INLINE_COMMANDS = re.compile(r"^(pip|bash|python3?|lm_eval|lm-eval) ")
 
 
@@ -358,6 +355,5 @@ def test_doc_links_resolve():
             if "://" in link:
                 continue
             target = (path.parent / link).resolve()
-            name = target.relative_to(REPO).as_posix() if target.is_relative_to(REPO) else link
-            assert target.exists() or name in PENDING_LINKS, (
+            assert target.exists(), (
                 f"{path.relative_to(REPO)} links to {link}, which does not exist")

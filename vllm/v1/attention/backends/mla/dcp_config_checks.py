@@ -107,7 +107,8 @@ class DCPLimits:
                 f"use --kv-cache-dtype {fix}" + (
                     f', or "kv_cache_dtype": "{fix}" in --speculative-config for '
                     "the draft's layers" if s.draft else "")
-                + f"; or name {_alternatives(s, name)} in {flag}.")
+                + (f"; or name {_alternatives(s, name)} in {flag}."
+                   if s.gpu_major is not None else "."))  # CPU: CPU_MLA alone
         dspark = s.speculative_method == "dspark" and s.dcp_size > 1
         if s.draft and dspark and not cls.supports_non_causal_dcp():  # type: ignore[attr-defined]
             found.append(

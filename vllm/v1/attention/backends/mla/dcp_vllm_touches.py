@@ -343,8 +343,8 @@ TOUCHES: tuple[Touch, ...] = (
         change=READS,
         what="dcp_config_checks: vLLM's MLA order on a GPU, the order in which "
              "an error names the plugin's backends that serve the setting "
-             "(private)",
-        installed_by=NOBODY),
+             "(private; CUDA builds only)",
+        installed_by=NOBODY, applies=_on_cuda),
     Touch(
         name="dspark_draft_backend",
         target="vllm.v1.worker.gpu.spec_decode.dspark.utils."
