@@ -232,6 +232,51 @@ def test_triton_path_lone_request_pieces_merge_to_full_attention(
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@needs_triton
+@pytest.mark.parametrize("world,interleave,shape,causal", [
+    (2, 1, "uniform", True), (2, 1, "uniform", False), (4, 16, "padded", True),
+    (4, 16, "padded", False), (8, 64, "short", True), (8, 64, "short", False),
+    (8, 1, "padded", True), (8, 1, "padded", False), (2, 1, "cut_last", True),
+    (4, 16, "cut_first", True), (8, 64, "one_and_full", True), (8, 1, "cut_first", True)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_triton_path_token_rows_merge_to_full_attention(
+        flashmla, tmp_path, monkeypatch, world, interleave, shape, causal, fp8):
+    """FlashMLA given every row as a request of one token over its own local
+    bound (``flashmla_token_rows``, forced here: the tiny model's 8 heads are
+    no multiple of 64): no tail launch, ragged and padded batches alike, the
+    rows with no local key (FlashMLA's stand-in gives them NaN; fp8 attends
+    the one key its length is raised to) masked to out 0 / LSE -inf; every
+    rank's rows merge to full attention."""
+    from vllm.v1.attention.ops import flashmla_dcp_rows
+
+    monkeypatch.setattr(flashmla_dcp_rows, "token_rows_preferred",
+                        lambda *, num_heads, query_len: query_len >= 2)
+    tails = mock.Mock(side_effect=AssertionError("token rows run no tail launch"))
+    monkeypatch.setattr(flashmla_dcp_rows, "tail_merge", tails)
+    out, lse, ref_out, ref_lse = _run_ranks(
+        flashmla, tmp_path, world=world, interleave=interleave, causal=causal,
+        shape=shape, fp8=fp8, seed=world + interleave)
+    seq_lens, query_lens = CASES[shape] if shape in CASES else RAGGED[shape]
+    rows = len(query_lens) * max(query_lens) if shape in CASES else sum(query_lens)
+    assert {call["shape"][:2] for _, call in flashmla.kernel.calls} == {(rows, 1)}
+    assert all(not call["causal"] for _, call in flashmla.kernel.calls)
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_token_rows_preferred_by_flashmla_tiles():
+    """One-token requests where they cost FlashMLA no more 64-row tiles:
+    128 heads (DeepSeek-V3's at -dcp = -tp), not 96 (Kimi-K3's) or 8; only
+    for multi-token blocks."""
+    from vllm.v1.attention.ops.flashmla_token_rows import token_rows_preferred
+
+    assert token_rows_preferred(num_heads=128, query_len=4)
+    assert token_rows_preferred(num_heads=64, query_len=2)
+    assert not token_rows_preferred(num_heads=96, query_len=4)
+    assert not token_rows_preferred(num_heads=8, query_len=4)
+    assert not token_rows_preferred(num_heads=128, query_len=1)
+
+
 @contextlib.contextmanager
 def _fa3_on_a_fake_hopper(flashmla, monkeypatch, *, scale, num_sms=12):
     """The builder's FA3 rows (``flashmla_fa3_rows``) as on an H100 with

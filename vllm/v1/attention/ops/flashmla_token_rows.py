@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FlashMLA on a rank's DCP rows with every query row a request of its own.
+
+FlashMLA keeps one cache length per request, so the tile path
+(``flashmla_dcp_rows``) gives each request its shared local prefix and
+finishes a verify block's later tokens (their few remaining local keys)
+in a launch of its own after FlashMLA's, which also reads FlashMLA's LSE
+layout [R, H, s] into vLLM's [T, H]. Given instead as T requests of one
+query token (q [T, 1, H, D], the rows' own block tables and local bounds),
+FlashMLA attends every row over exactly its keys: no tails, the causal
+bounds of any interleave exact, a ragged or padded batch the same as a
+uniform one, and its output [T, 1, H, Dv] / LSE [T, H, 1] already in
+vLLM's layout. What is left is the rows with no local key (a rank's
+share of a short request, CUDA-graph padding): FlashMLA gives them out 0
+and LSE +inf (bf16), or, for fp8, whose kernel faults when no request has
+a key, one key's attention (their length is raised to 1). One launch of
+the project's own (``mask_empty_rows``) sets those rows to out 0 and
+LSE -inf; a program whose row has keys loads one length and returns.
+
+FlashMLA tiles a request's s x H query rows 64 at a time: per-token
+requests cost the same tiles as one request of s tokens where H is a
+multiple of 64 (128 heads: 2 tiles per token, 8 per 4-token request), and
+more where it is not (96 heads: 2 per token against 6 per 4 tokens).
+
+Imports no vllm module. Shapes: T rows, H heads, Dv = kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the rows need Triton
+    triton = None
+
+__all__ = ["mask_empty_rows", "token_rows_preferred"]
+
+FLASHMLA_TILE_ROWS = 64
+
+
+def token_rows_preferred(*, num_heads: int, query_len: int) -> bool:
+    """Whether FlashMLA takes the rows as one-token requests: where that
+    costs FlashMLA no more 64-row tiles than one request of ``query_len``
+    tokens (``num_heads`` a multiple of 64), for a multi-token block."""
+    return query_len >= 2 and num_heads % FLASHMLA_TILE_ROWS == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mask_empty_rows_kernel(out_ptr, lse_ptr, seq_lens_ptr, num_heads,
+                                DV: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Program = (row t, BLOCK_H heads): out 0 and LSE -inf where the
+        row has no local key; nothing written otherwise."""
+        t = tl.program_id(0)
+        if tl.load(seq_lens_ptr + t) == 0:
+            heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+            h_ok = heads < num_heads
+            rows = t.to(tl.int64) * num_heads + heads
+            tl.store(lse_ptr + rows, tl.full((BLOCK_H,), float("-inf"), tl.float32),
+                     mask=h_ok)
+            cols = tl.arange(0, DV)
+            zeros = tl.zeros((BLOCK_H, DV), tl.float32)
+            tl.store(out_ptr + rows[:, None] * DV + cols[None, :],
+                     zeros.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+def mask_empty_rows(out: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Rows with no local key: out 0, LSE -inf, in place (one launch).
+
+    Args:
+        out: [T, H, Dv] contiguous (bf16 / fp16).
+        lse: float32 [T, H] contiguous.
+        seq_lens: int32 [T] each row's local keys (0: empty), on out's device.
+    """
+    num_rows, num_heads, dv = out.shape
+    if num_rows == 0:
+        return
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert lse.shape == (num_rows, num_heads) and seq_lens.shape[0] >= num_rows
+    block_h = 16
+    _mask_empty_rows_kernel[(num_rows, triton.cdiv(num_heads, block_h))](
+        out, lse, seq_lens, num_heads, DV=dv, BLOCK_H=block_h, num_warps=4)
