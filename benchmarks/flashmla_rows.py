@@ -118,9 +118,11 @@ class Point:
             _k_scale=torch.tensor([K_SCALE if fp8 else 1.0], device=dev),
             _q_scale_float=Q_SCALE if fp8 else 1.0, _k_scale_float=K_SCALE if fp8 else 1.0)
 
-    def dcp_fn(self, cache_index=0, fa3=True):
+    def dcp_fn(self, cache_index=0, fa3=True, token_rows=None):
         """The FLASHMLA impl's ``forward_mqa`` on this point's plan (with the
-        builder's FA3 for a lone bf16 request unless ``fa3`` is False)."""
+        builder's FA3 for a lone bf16 request unless ``fa3`` is False;
+        ``token_rows`` forces FlashMLA's one-token requests on or off, None
+        as the builder chooses)."""
         from tests.support.builder_harness import make_mla_impl
         from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
         from vllm.v1.attention.backends.mla.flashmla_dcp_mla import FlashMLADCPImpl
@@ -138,7 +140,7 @@ class Point:
         planner = FlashMLARowPlanner(
             max_reqs=self.batch, max_rows=self.num_rows, num_heads=self.heads,
             kv_lora_rank=DV, fp8=self.fp8, num_sms=num_compute_units(0),
-            device=self.q.device, fa3=fa3_plans)
+            device=self.q.device, fa3=fa3_plans, token_rows=token_rows)
         decode = DCPDecodeMetadata(
             block_table=self.table, seq_lens=self.local_lens,
             dcp_tot_seq_lens=self.local_lens * self.world, flat=self.flat,
@@ -277,8 +279,15 @@ def layer_part(args, gen):
                         point = Point(batch, local, args.q_len, heads, causal, fp8,
                                       WORLD, gen)
                         roof = roofline_us(batch, local, args.q_len, heads)
-                        paths = {"dcp": functools.partial(point.dcp_fn, fa3=args.fa3),
+                        paths = {"dcp": functools.partial(point.dcp_fn, fa3=args.fa3,
+                                                          token_rows=args.token_rows),
                                  "alone": point.alone_fn}
+                        if args.compare_rows:  # the tile rows (before) and token rows
+                            paths = {"tile": functools.partial(point.dcp_fn, fa3=args.fa3,
+                                                               token_rows=False),
+                                     "token": functools.partial(point.dcp_fn, fa3=args.fa3,
+                                                                token_rows=True),
+                                     "alone": point.alone_fn}
                         if args.baselines:
                             paths["fi-fp8" if fp8 else "fa3"] = (
                                 point.flashinfer_fp8_fn if fp8 else point.fa3_fn)
@@ -297,11 +306,13 @@ def layer_part(args, gen):
                                              local=local, q_len=args.q_len,
                                              us=round(us, 1), roofline_us=round(roof, 1),
                                              of_roofline=round(roof / us, 3)))
+                        ratios = "".join(f" {p}/alone {times[p] / times['alone']:.3f}"
+                                         for p in ("tile", "token", "dcp") if p in times)
                         print(f"{heads:4}{'verify' if causal else 'draft':>7}"
                               f"{'fp8' if fp8 else 'bf16':>5}{batch:4}{local // 1024:6}K  "
-                              + "  ".join(f"{us:8.0f}/{roof / us:.2f}"
-                                          for us in times.values())
-                              + f"   {times['dcp'] / times['alone']:.3f}", flush=True)
+                              + "  ".join(f"{p} {us:.1f}/{roof / us:.2f}"
+                                          for p, us in times.items())
+                              + f"  {ratios}", flush=True)
                         del point
                         torch.cuda.empty_cache()
     return rows
@@ -325,7 +336,8 @@ def step_part(args, gen):
                     copies = max(1, min(args.layers, int(args.pool_gib * 2**30 // per_cache)))
                     point = Point(batch, local, args.q_len, heads, True, fp8, WORLD, gen,
                                   copies=copies)
-                    fns = [point.alone_fn(i) if world == 1 else point.dcp_fn(i, fa3=fa3)
+                    fns = [point.alone_fn(i) if world == 1
+                           else point.dcp_fn(i, fa3=fa3, token_rows=args.token_rows)
                            for i in range(copies)]
 
                     def step(fns=fns):
@@ -432,8 +444,15 @@ def main():
     ap.add_argument("--no-fa3", dest="fa3", action="store_false",
                     help="plan the DCP rows on FlashMLA at every batch (no FA3 for "
                          "a lone bf16 request)")
+    ap.add_argument("--token-rows", choices=("auto", "on", "off"), default="auto",
+                    help="FlashMLA's one-token requests for the dcp path: as the "
+                         "builder chooses (flashmla_token_rows), always, never")
+    ap.add_argument("--compare-rows", action="store_true",
+                    help="time the tile rows (before token rows) and the token rows "
+                         "beside dcp and alone, in the same call")
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args()
+    args.token_rows = {"auto": None, "on": True, "off": False}[args.token_rows]
     print(f"{torch.cuda.get_device_name(0)}: roofline at {hbm_tbs()} TB/s, "
           f"{BF16_TFLOPS} TFLOP/s bf16", flush=True)
     gen = torch.Generator("cuda").manual_seed(0)
