@@ -250,7 +250,7 @@ def test_triton_path_token_rows_merge_to_full_attention(
     from vllm.v1.attention.ops import flashmla_dcp_rows
 
     monkeypatch.setattr(flashmla_dcp_rows, "token_rows_preferred",
-                        lambda *, num_heads, query_len: query_len >= 2)
+                        lambda *, num_heads, query_len, fp8: query_len >= 2)
     tails = mock.Mock(side_effect=AssertionError("token rows run no tail launch"))
     monkeypatch.setattr(flashmla_dcp_rows, "tail_merge", tails)
     out, lse, ref_out, ref_lse = _run_ranks(
@@ -265,16 +265,18 @@ def test_triton_path_token_rows_merge_to_full_attention(
 
 
 def test_token_rows_preferred_by_flashmla_tiles():
-    """One-token requests where they cost FlashMLA no more 64-row tiles:
-    128 heads (DeepSeek-V3's at -dcp = -tp), not 96 (Kimi-K3's) or 8; only
-    for multi-token blocks."""
+    """One-token requests for an fp8 cache where they cost FlashMLA no more
+    64-row tiles: 128 heads (DeepSeek-V3's at -dcp = -tp), not 96 (Kimi-K3's)
+    or 8; only for multi-token blocks; bf16 keeps the tiles (slower at
+    32-64K on the H100)."""
     from vllm.v1.attention.ops.flashmla_token_rows import token_rows_preferred
 
-    assert token_rows_preferred(num_heads=128, query_len=4)
-    assert token_rows_preferred(num_heads=64, query_len=2)
-    assert not token_rows_preferred(num_heads=96, query_len=4)
-    assert not token_rows_preferred(num_heads=8, query_len=4)
-    assert not token_rows_preferred(num_heads=128, query_len=1)
+    assert token_rows_preferred(num_heads=128, query_len=4, fp8=True)
+    assert token_rows_preferred(num_heads=64, query_len=2, fp8=True)
+    assert not token_rows_preferred(num_heads=128, query_len=4, fp8=False)
+    assert not token_rows_preferred(num_heads=96, query_len=4, fp8=True)
+    assert not token_rows_preferred(num_heads=8, query_len=4, fp8=True)
+    assert not token_rows_preferred(num_heads=128, query_len=1, fp8=True)
 
 
 @contextlib.contextmanager

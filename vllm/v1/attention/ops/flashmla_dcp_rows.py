@@ -43,10 +43,11 @@ A lone bf16 request's block runs FlashInfer's FA3 instead where the builder
 gives the planner ``FA3RowPlans`` (``flashmla_fa3_rows``: faster there on an
 H100), with its plan made on the device and the same finishing launch.
 
-Where FlashMLA's 64-row tiles allow it (``flashmla_token_rows``: the heads a
-multiple of 64), every row is given to FlashMLA as a request of one token
-over exactly its local keys instead: no tails, the output already in
-vLLM's layout, and only the rows with no local key masked after it.
+Where FlashMLA's 64-row tiles allow it and it measured faster
+(``flashmla_token_rows``: fp8, the heads a multiple of 64), every row is
+given to FlashMLA as a request of one token over exactly its local keys
+instead: no tails, the output already in vLLM's layout, and only the rows
+with no local key masked after it.
 
 The kernels are vLLM's (``vllm.v1.attention.ops.flashmla``), imported when a
 plan is made; nothing of vllm is imported at module level.
@@ -387,7 +388,8 @@ class FlashMLARowPlanner:
             return False
         if self._token_rows is not None:
             return self._token_rows and query_len >= 2
-        return token_rows_preferred(num_heads=self.num_heads, query_len=query_len)
+        return token_rows_preferred(num_heads=self.num_heads, query_len=query_len,
+                                    fp8=self.fp8)
 
     def _kernel_plan(self, lens: torch.Tensor, rows_per_request: int):
         """FlashMLA's lengths and scheduler metadata for requests of

@@ -21,6 +21,7 @@ FlashMLA tiles a request's s x H query rows 64 at a time: per-token
 requests cost the same tiles as one request of s tokens where H is a
 multiple of 64 (128 heads: 2 tiles per token, 8 per 4-token request), and
 more where it is not (96 heads: 2 per token against 6 per 4 tokens).
+Taken by shape (``token_rows_preferred``) where measured faster: fp8.
 
 Imports no vllm module. Shapes: T rows, H heads, Dv = kv_lora_rank.
 """
@@ -40,11 +41,19 @@ __all__ = ["mask_empty_rows", "token_rows_preferred"]
 FLASHMLA_TILE_ROWS = 64
 
 
-def token_rows_preferred(*, num_heads: int, query_len: int) -> bool:
-    """Whether FlashMLA takes the rows as one-token requests: where that
-    costs FlashMLA no more 64-row tiles than one request of ``query_len``
-    tokens (``num_heads`` a multiple of 64), for a multi-token block."""
-    return query_len >= 2 and num_heads % FLASHMLA_TILE_ROWS == 0
+def token_rows_preferred(*, num_heads: int, query_len: int, fp8: bool) -> bool:
+    """Whether FlashMLA takes the rows as one-token requests: a multi-token
+    block over an fp8 cache, where that costs FlashMLA no more 64-row tiles
+    than one request of ``query_len`` tokens (``num_heads`` a multiple of
+    64). By shape only: one CUDA-graph size runs one kernel.
+
+    Measured on an H100 (benchmarks/RESULTS.md, run 25), 128 heads, batch
+    1-4 x 16-64K local keys, q_len 4: fp8 0.91-1.01 x FlashMLA alone (the
+    tiles with their finishing launch 1.00-1.11); bf16 faster at 16K but
+    1.09-1.14 x at 32-64K (batch 2-4), so bf16 keeps the tiles (and a lone
+    bf16 request FA3); at 96 heads (8 tiles against 6) 1.13-1.42 x.
+    """
+    return fp8 and query_len >= 2 and num_heads % FLASHMLA_TILE_ROWS == 0
 
 
 if triton is not None:

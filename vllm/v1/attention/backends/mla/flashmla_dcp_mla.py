@@ -17,9 +17,10 @@ A lone bf16 request's block (batch 1 per rank: the DSpark latency regime)
 runs FlashInfer's FA3 on Hopper instead, with its plan made on the device
 (``flashmla_fa3_rows``; faster there, benchmarks/RESULTS.md run 23), where
 FlashInfer is installed; ``VLLM_DCP_FLASHMLA_FA3=0`` keeps FlashMLA.
-Where the heads are a multiple of 64, FlashMLA takes a multi-token block's
-rows as one-token requests over their own bounds (``flashmla_token_rows``:
-no tail launch); ``VLLM_DCP_FLASHMLA_TOKEN_ROWS`` 1 / 0 forces it on / off.
+Over an fp8 cache with the heads a multiple of 64, FlashMLA takes a
+multi-token block's rows as one-token requests over their own bounds
+(``flashmla_token_rows``: no tail launch); ``VLLM_DCP_FLASHMLA_TOKEN_ROWS``
+1 / 0 forces it on / off.
 
 Rows where this rank holds no KV are masked (out 0, LSE -inf) by the plan's
 own last launch, and the layers' combines, routed once when the builder is
@@ -62,7 +63,7 @@ from vllm.v1.worker.cpu.triton_interpreter_boot import env_flag
 
 FA3_SWITCH = "VLLM_DCP_FLASHMLA_FA3"
 # FlashMLA's one-token requests (flashmla_token_rows): 1 always, 0 never,
-# unset where the heads are a multiple of FlashMLA's 64-row tile.
+# unset by shape (token_rows_preferred: fp8, heads a multiple of 64).
 TOKEN_ROWS_SWITCH = "VLLM_DCP_FLASHMLA_TOKEN_ROWS"
 
 
