@@ -118,11 +118,12 @@ class Point:
             _k_scale=torch.tensor([K_SCALE if fp8 else 1.0], device=dev),
             _q_scale_float=Q_SCALE if fp8 else 1.0, _k_scale_float=K_SCALE if fp8 else 1.0)
 
-    def dcp_fn(self, cache_index=0, fa3=True, token_rows=None):
+    def dcp_fn(self, cache_index=0, fa3=True, token_rows=None, block_heads=True):
         """The FLASHMLA impl's ``forward_mqa`` on this point's plan (with the
         builder's FA3 for a lone bf16 request unless ``fa3`` is False;
         ``token_rows`` forces FlashMLA's one-token requests on or off, None
-        as the builder chooses)."""
+        as the builder chooses; ``block_heads`` False gives a DSpark block
+        to FlashMLA as tokens with the finishing launch, the rows before)."""
         from tests.support.builder_harness import make_mla_impl
         from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
         from vllm.v1.attention.backends.mla.flashmla_dcp_mla import FlashMLADCPImpl
@@ -140,7 +141,8 @@ class Point:
         planner = FlashMLARowPlanner(
             max_reqs=self.batch, max_rows=self.num_rows, num_heads=self.heads,
             kv_lora_rank=DV, fp8=self.fp8, num_sms=num_compute_units(0),
-            device=self.q.device, fa3=fa3_plans, token_rows=token_rows)
+            device=self.q.device, fa3=fa3_plans, token_rows=token_rows,
+            block_heads=block_heads)
         decode = DCPDecodeMetadata(
             block_table=self.table, seq_lens=self.local_lens,
             dcp_tot_seq_lens=self.local_lens * self.world, flat=self.flat,
@@ -282,23 +284,27 @@ def layer_part(args, gen):
                         paths = {"dcp": functools.partial(point.dcp_fn, fa3=args.fa3,
                                                           token_rows=args.token_rows),
                                  "alone": point.alone_fn}
-                        if args.compare_rows:  # the tile rows (before) and token rows
-                            paths = {"tile": functools.partial(point.dcp_fn, fa3=args.fa3,
-                                                               token_rows=False),
-                                     "token": functools.partial(point.dcp_fn, fa3=args.fa3,
-                                                                token_rows=True),
-                                     "alone": point.alone_fn}
+                        if args.compare_rows:  # the rows before (tiles, finishing
+                            # launch), as the builder now plans them, FlashMLA alone
+                            paths = {"before": functools.partial(
+                                point.dcp_fn, fa3=args.fa3, token_rows=False,
+                                block_heads=False), **paths}
                         if args.baselines:
                             paths["fi-fp8" if fp8 else "fa3"] = (
                                 point.flashinfer_fp8_fn if fp8 else point.fa3_fn)
-                        times = {}
+                        fns, samples = {}, {path: [] for path in paths}
                         for path, make in paths.items():
                             try:
-                                times[path] = time_ms(make()) * 1e3
+                                fns[path] = make()
                             except Exception as error:  # noqa: BLE001 - report it
                                 print(f"  {path}: {type(error).__name__}: "
                                       f"{str(error)[:200]}")
-                                times[path] = float("nan")
+                        for _ in range(args.repeats):  # the paths interleaved
+                            for path, fn in fns.items():
+                                samples[path].append(time_ms(fn) * 1e3)
+                        times = {path: statistics.median(samples[path])
+                                 if samples[path] else float("nan") for path in paths}
+                        del fns
                         for path, us in times.items():
                             rows.append(dict(part="layer", path=path, heads=heads,
                                              kind="verify" if causal else "draft",
@@ -307,7 +313,7 @@ def layer_part(args, gen):
                                              us=round(us, 1), roofline_us=round(roof, 1),
                                              of_roofline=round(roof / us, 3)))
                         ratios = "".join(f" {p}/alone {times[p] / times['alone']:.3f}"
-                                         for p in ("tile", "token", "dcp") if p in times)
+                                         for p in ("before", "dcp") if p in times)
                         print(f"{heads:4}{'verify' if causal else 'draft':>7}"
                               f"{'fp8' if fp8 else 'bf16':>5}{batch:4}{local // 1024:6}K  "
                               + "  ".join(f"{p} {us:.1f}/{roof / us:.2f}"
@@ -448,8 +454,10 @@ def main():
                     help="FlashMLA's one-token requests for the dcp path: as the "
                          "builder chooses (flashmla_token_rows), always, never")
     ap.add_argument("--compare-rows", action="store_true",
-                    help="time the tile rows (before token rows) and the token rows "
-                         "beside dcp and alone, in the same call")
+                    help="time the rows before token rows / block heads (tiles and "
+                         "the finishing launch) beside dcp and alone, in the same call")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="layer: times each path is timed, interleaved (median kept)")
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args()
     args.token_rows = {"auto": None, "on": True, "off": False}[args.token_rows]

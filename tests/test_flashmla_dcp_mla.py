@@ -182,6 +182,11 @@ def test_triton_path_ranks_merge_to_full_attention(flashmla, tmp_path, world,
     assert kinds == {"fp8" if fp8 else "bf16"}
     assert all(not call["causal"] for _, call in flashmla.kernel.calls), (
         "FlashMLA's own causal mask is wrong on a shard; the rows use causal=False")
+    # A DSpark block's tokens go to FlashMLA as heads (no finishing launch
+    # but the empty rows' mask); a verify block's as tokens.
+    q_len = max(CASES[shape][1])
+    assert {call["shape"][1:3] for _, call in flashmla.kernel.calls} == (
+        {(q_len, NUM_HEADS)} if causal else {(1, q_len * NUM_HEADS)})
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
@@ -262,6 +267,31 @@ def test_triton_path_token_rows_merge_to_full_attention(
     assert all(not call["causal"] for _, call in flashmla.kernel.calls)
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_triton_path_mask_empty_rows_writes_only_empty_and_bad_rows(with_prefix):
+    """``mask_empty_rows``: a row with no key gets out 0 / LSE -inf, a row
+    whose bound is not the prefix FlashMLA attended NaN (with prefixes), every
+    other row keeps FlashMLA's values bit for bit; 20 heads (a partial head
+    block)."""
+    from vllm.v1.attention.ops.flashmla_token_rows import mask_empty_rows
+
+    gen = torch.Generator().manual_seed(3)
+    out = torch.randn(6, 20, 512, generator=gen).bfloat16()
+    lse = torch.randn(6, 20, generator=gen)
+    seq_lens = torch.tensor([5, 0, 7, 0, 1, 9], dtype=torch.int32)
+    prefix = torch.tensor([5, 0, 6, 0, 1, 9], dtype=torch.int32)  # row 2 has a tail
+    want_out, want_lse = out.clone(), lse.clone()
+    want_out[[1, 3]], want_lse[[1, 3]] = 0, -torch.inf
+    if with_prefix:
+        want_out[2], want_lse[2] = torch.nan, torch.nan
+    mask_empty_rows(out, lse, seq_lens, prefix_lens=prefix if with_prefix else None)
+    assert torch.equal(out.isnan(), want_out.isnan())
+    assert torch.equal(lse.isnan(), want_lse.isnan())
+    assert torch.equal(out.nan_to_num(), want_out.nan_to_num())
+    assert torch.equal(lse.nan_to_num(), want_lse.nan_to_num())
 
 
 def test_token_rows_preferred_by_flashmla_tiles():

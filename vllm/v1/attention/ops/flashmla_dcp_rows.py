@@ -39,6 +39,11 @@ contract: same shapes and lengths), inside the graph when captured; fp8: the
 planner makes it (``get_mla_metadata_dense_fp8``) into persistent buffers, as
 vLLM's FLASHMLA builder does.
 
+A uniform DSpark block (every token sees its request's prefix) is given to
+FlashMLA with its s tokens as s x H heads of one token: the same tiles, and
+the output and LSE come out in vLLM's layout, so only the rows with no
+local key are masked after it (``flashmla_token_rows.mask_empty_rows``).
+
 A lone bf16 request's block runs FlashInfer's FA3 instead where the builder
 gives the planner ``FA3RowPlans`` (``flashmla_fa3_rows``: faster there on an
 H100), with its plan made on the device and the same finishing launch.
@@ -124,6 +129,10 @@ class FlashMLARowPlan:
             (``flashmla_token_rows``): ``kernel_lens`` int32 [T] are the
             rows' local bounds (fp8: at least 1), ``sched_meta`` made for
             them; ``num_reqs`` and ``query_len`` still describe the batch.
+        block_heads: a uniform DSpark block on one piece is given to
+            FlashMLA as R requests of one token x s * H heads (its output
+            already vLLM's layout: only the empty rows masked after it);
+            False: the s-token tiles and the finishing launch.
     """
 
     num_reqs: int
@@ -147,6 +156,7 @@ class FlashMLARowPlan:
     piece_lens: torch.Tensor | None = None
     fa3: Any = None
     token_rows: bool = False
+    block_heads: bool = True
 
     @property
     def is_current(self) -> bool:
@@ -185,6 +195,10 @@ class FlashMLARowPlan:
         if self.token_rows:
             return self._run_token_rows(q, kv_cache, sm_scale=sm_scale,
                                         q_scale=q_scale, k_scale=k_scale)
+        if (self.block_heads and not self.causal and self.tile_rows is None
+                and self.pieces == 1 and q.stride(0) == num_heads * q.stride(1)):
+            return self._run_block_as_heads(q, kv_cache, sm_scale=sm_scale,
+                                            q_scale=q_scale, k_scale=k_scale)
         ops = _flashmla_ops()
         q_tiles = q if self.tile_rows is None else _gather_rows(q, self.tile_rows)
         q_tiles = q_tiles.view(self.num_reqs, self.query_len, num_heads, q.shape[-1])
@@ -231,6 +245,37 @@ class FlashMLARowPlan:
                    k_scale=k_scale if self.fp8 else None, keys_per_step=16,
                    has_tails=self.causal, out_in=pieces_out, piece_lens=pieces_lens)
         return out, lse_rows
+
+    def _run_block_as_heads(self, q, kv_cache, *, sm_scale, q_scale, k_scale):
+        """A DSpark block (every token of a request sees its prefix): the s
+        tokens x H heads given to FlashMLA as one token of s x H heads (q
+        [R, 1, s * H, D], a view; FlashMLA tiles the same s x H rows in the
+        same order), so its out [R, 1, s * H, Dv] and LSE [R, s * H, 1] are
+        vLLM's [T, H, Dv] / [T, H]; then the empty rows masked (rows whose
+        bound is not their prefix, which a DSpark block never has, NaN)."""
+        ops = _flashmla_ops()
+        num_rows, num_heads = q.shape[0], q.shape[1]
+        q_block = q.view(self.num_reqs, 1, self.query_len * num_heads, q.shape[-1])
+        cache = kv_cache.unsqueeze(-2)  # FlashMLA's one KV head
+        if self.fp8:
+            tile_metadata, num_splits = self.sched_meta
+            out, lse = ops.flash_mla_with_kvcache_fp8(
+                q=q_block, k_cache=cache, block_table=self.block_table,
+                cache_seqlens=self.kernel_lens, head_dim_v=self.kv_lora_rank,
+                tile_scheduler_metadata=tile_metadata, num_splits=num_splits,
+                softmax_scale=sm_scale, causal=False,
+                descale_q=q_scale.reshape(1), descale_k=k_scale.reshape(1))
+        else:
+            out, lse = ops.flash_mla_with_kvcache(
+                q=q_block, k_cache=cache, block_table=self.block_table,
+                cache_seqlens=self.prefix_lens, head_dim_v=self.kv_lora_rank,
+                tile_scheduler_metadata=self.sched_meta, softmax_scale=sm_scale,
+                causal=False)
+        out = out.reshape(num_rows, num_heads, self.kv_lora_rank)
+        lse = lse.reshape(num_rows, num_heads)
+        mask_empty_rows(out, lse, self.rows.seq_lens[:num_rows],
+                        prefix_lens=self.row_prefix_lens[:num_rows])
+        return out, lse
 
     def _run_token_rows(self, q, kv_cache, *, sm_scale, q_scale, k_scale):
         """FlashMLA over T requests of one token each (every row its own
@@ -280,12 +325,15 @@ class FlashMLARowPlanner:
         token_rows: whether FlashMLA takes a multi-token block's rows as
             one-token requests (``flashmla_token_rows``); None: where
             ``token_rows_preferred`` says so.
+        block_heads: a uniform DSpark block's tokens given to FlashMLA as
+            heads (``FlashMLARowPlan.block_heads``); False: as tokens, with
+            the finishing launch (the rows before).
     """
 
     def __init__(self, *, max_reqs: int, max_rows: int, num_heads: int,
                  kv_lora_rank: int, fp8: bool, num_sms: int,
                  device: torch.device, fa3: FA3RowPlans | None = None,
-                 token_rows: bool | None = None) -> None:
+                 token_rows: bool | None = None, block_heads: bool = True) -> None:
         i32 = dict(dtype=torch.int32, device=device)
         self.num_heads = num_heads
         self.kv_lora_rank = kv_lora_rank
@@ -300,6 +348,7 @@ class FlashMLARowPlanner:
         self._pieces = PiecePlanner(device)
         self._fa3 = fa3
         self._token_rows = token_rows
+        self._block_heads = block_heads
 
     def plan(self, rows: FlatDecode, block_table: torch.Tensor, *,
              query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor,
@@ -378,7 +427,8 @@ class FlashMLARowPlanner:
             row_prefix_lens=row_prefix, sched_meta=sched_meta, fp8=self.fp8,
             kv_lora_rank=self.kv_lora_rank, planned_forward_id=forward_id,
             planner=self, tile_rows=tile_rows, row_tiles=row_tiles, pieces=pieces,
-            piece_table=piece_table, piece_lens=piece_lens)
+            piece_table=piece_table, piece_lens=piece_lens,
+            block_heads=self._block_heads)
 
     def _takes_token_rows(self, *, num_reqs: int, query_len: int) -> bool:
         """By batch shape only (one CUDA-graph size runs one kernel); a lone

@@ -59,30 +59,43 @@ def token_rows_preferred(*, num_heads: int, query_len: int, fp8: bool) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _mask_empty_rows_kernel(out_ptr, lse_ptr, seq_lens_ptr, num_heads,
-                                DV: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _mask_empty_rows_kernel(out_ptr, lse_ptr, seq_lens_ptr, prefix_lens_ptr,
+                                num_heads, DV: tl.constexpr, BLOCK_H: tl.constexpr,
+                                HAS_PREFIX: tl.constexpr):
         """Program = (row t, BLOCK_H heads): out 0 and LSE -inf where the
-        row has no local key; nothing written otherwise."""
+        row has no local key, NaN where its bound is not the prefix that
+        FlashMLA attended (``HAS_PREFIX``); nothing written otherwise."""
         t = tl.program_id(0)
-        if tl.load(seq_lens_ptr + t) == 0:
+        row_len = tl.load(seq_lens_ptr + t)
+        bad = row_len < 0  # never: lengths are >= 0
+        if HAS_PREFIX:
+            bad = tl.load(prefix_lens_ptr + t) != row_len
+        if (row_len == 0) | bad:
             heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
             h_ok = heads < num_heads
             rows = t.to(tl.int64) * num_heads + heads
-            tl.store(lse_ptr + rows, tl.full((BLOCK_H,), float("-inf"), tl.float32),
+            fill = tl.where(bad, float("nan"), 0.0)
+            tl.store(lse_ptr + rows,
+                     tl.zeros((BLOCK_H,), tl.float32) + tl.where(bad, float("nan"),
+                                                                 float("-inf")),
                      mask=h_ok)
             cols = tl.arange(0, DV)
-            zeros = tl.zeros((BLOCK_H, DV), tl.float32)
+            blank = tl.zeros((BLOCK_H, DV), tl.float32) + fill
             tl.store(out_ptr + rows[:, None] * DV + cols[None, :],
-                     zeros.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+                     blank.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
-def mask_empty_rows(out: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def mask_empty_rows(out: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor,
+                    prefix_lens: torch.Tensor | None = None) -> None:
     """Rows with no local key: out 0, LSE -inf, in place (one launch).
 
     Args:
         out: [T, H, Dv] contiguous (bf16 / fp16).
         lse: float32 [T, H] contiguous.
         seq_lens: int32 [T] each row's local keys (0: empty), on out's device.
+        prefix_lens: int32 [T] the keys FlashMLA attended for each row, or
+            None (its own bound): a row whose bound differs gets out and
+            LSE NaN (an error made loud).
     """
     num_rows, num_heads, dv = out.shape
     if num_rows == 0:
@@ -90,5 +103,7 @@ def mask_empty_rows(out: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor
     assert out.is_contiguous() and lse.is_contiguous()
     assert lse.shape == (num_rows, num_heads) and seq_lens.shape[0] >= num_rows
     block_h = 16
+    has_prefix = prefix_lens is not None
     _mask_empty_rows_kernel[(num_rows, triton.cdiv(num_heads, block_h))](
-        out, lse, seq_lens, num_heads, DV=dv, BLOCK_H=block_h, num_warps=4)
+        out, lse, seq_lens, prefix_lens if has_prefix else seq_lens, num_heads,
+        DV=dv, BLOCK_H=block_h, HAS_PREFIX=has_prefix, num_warps=4)
