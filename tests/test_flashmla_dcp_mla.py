@@ -255,7 +255,7 @@ def test_triton_path_token_rows_merge_to_full_attention(
     from vllm.v1.attention.ops import flashmla_dcp_rows
 
     monkeypatch.setattr(flashmla_dcp_rows, "token_rows_preferred",
-                        lambda *, num_heads, query_len, fp8: query_len >= 2)
+                        lambda *, num_heads, query_len, fp8, num_reqs: query_len >= 2)
     tails = mock.Mock(side_effect=AssertionError("token rows run no tail launch"))
     monkeypatch.setattr(flashmla_dcp_rows, "tail_merge", tails)
     out, lse, ref_out, ref_lse = _run_ranks(
@@ -301,12 +301,17 @@ def test_token_rows_preferred_by_flashmla_tiles():
     32-64K on the H100)."""
     from vllm.v1.attention.ops.flashmla_token_rows import token_rows_preferred
 
-    assert token_rows_preferred(num_heads=128, query_len=4, fp8=True)
-    assert token_rows_preferred(num_heads=64, query_len=2, fp8=True)
-    assert not token_rows_preferred(num_heads=128, query_len=4, fp8=False)
-    assert not token_rows_preferred(num_heads=96, query_len=4, fp8=True)
-    assert not token_rows_preferred(num_heads=8, query_len=4, fp8=True)
-    assert not token_rows_preferred(num_heads=128, query_len=1, fp8=True)
+    def preferred(heads, q_len, fp8, reqs=4):
+        return token_rows_preferred(num_heads=heads, query_len=q_len, fp8=fp8,
+                                    num_reqs=reqs)
+
+    assert preferred(128, 4, True) and preferred(128, 4, True, reqs=8)
+    assert preferred(64, 2, True)
+    assert not preferred(128, 4, True, reqs=9)  # 1.06-1.10 x at batch 64
+    assert not preferred(128, 4, False)
+    assert not preferred(96, 4, True)
+    assert not preferred(8, 4, True)
+    assert not preferred(128, 1, True)
 
 
 @contextlib.contextmanager

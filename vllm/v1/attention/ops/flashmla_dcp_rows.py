@@ -73,7 +73,11 @@ import torch
 from vllm.v1.attention.ops.dcp_decode import FlatDecode
 from vllm.v1.attention.ops.flashmla_fa3_rows import FA3RowPlans, fa3_rows_preferred
 from vllm.v1.attention.ops.flashmla_pieces import PiecePlanner, pieces_for
-from vllm.v1.attention.ops.flashmla_token_rows import mask_empty_rows, token_rows_preferred
+from vllm.v1.attention.ops.flashmla_token_rows import (
+    MAX_REQS as SMALL_BATCH,
+    mask_empty_rows,
+    token_rows_preferred,
+)
 from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
 __all__ = ["FlashMLARowPlan", "FlashMLARowPlanner", "TILE_METADATA_WIDTH"]
@@ -132,7 +136,8 @@ class FlashMLARowPlan:
         block_heads: a uniform DSpark block on one piece is given to
             FlashMLA as R requests of one token x s * H heads (its output
             already vLLM's layout: only the empty rows masked after it);
-            False: the s-token tiles and the finishing launch.
+            False: the s-token tiles and the finishing launch. Planned for
+            at most ``flashmla_token_rows.MAX_REQS`` requests (measured).
     """
 
     num_reqs: int
@@ -428,7 +433,7 @@ class FlashMLARowPlanner:
             kv_lora_rank=self.kv_lora_rank, planned_forward_id=forward_id,
             planner=self, tile_rows=tile_rows, row_tiles=row_tiles, pieces=pieces,
             piece_table=piece_table, piece_lens=piece_lens,
-            block_heads=self._block_heads)
+            block_heads=self._block_heads and num_reqs <= SMALL_BATCH)
 
     def _takes_token_rows(self, *, num_reqs: int, query_len: int) -> bool:
         """By batch shape only (one CUDA-graph size runs one kernel); a lone
@@ -439,7 +444,7 @@ class FlashMLARowPlanner:
         if self._token_rows is not None:
             return self._token_rows and query_len >= 2
         return token_rows_preferred(num_heads=self.num_heads, query_len=query_len,
-                                    fp8=self.fp8)
+                                    fp8=self.fp8, num_reqs=num_reqs)
 
     def _kernel_plan(self, lens: torch.Tensor, rows_per_request: int):
         """FlashMLA's lengths and scheduler metadata for requests of

@@ -36,24 +36,33 @@ try:
 except ImportError:  # pragma: no cover - the rows need Triton
     triton = None
 
-__all__ = ["mask_empty_rows", "token_rows_preferred"]
+__all__ = ["MAX_REQS", "mask_empty_rows", "token_rows_preferred"]
 
 FLASHMLA_TILE_ROWS = 64
+# Requests per forward (CUDA-graph padding included) up to which the rows
+# take token rows (fp8) and a DSpark block's tokens go as heads: measured
+# at batch 1-8; at batch 64 token rows were 1.06-1.10 x FlashMLA alone
+# (H100, benchmarks/RESULTS.md run 25).
+MAX_REQS = 8
 
 
-def token_rows_preferred(*, num_heads: int, query_len: int, fp8: bool) -> bool:
+def token_rows_preferred(*, num_heads: int, query_len: int, fp8: bool,
+                         num_reqs: int) -> bool:
     """Whether FlashMLA takes the rows as one-token requests: a multi-token
     block over an fp8 cache, where that costs FlashMLA no more 64-row tiles
     than one request of ``query_len`` tokens (``num_heads`` a multiple of
-    64). By shape only: one CUDA-graph size runs one kernel.
+    64), for at most ``MAX_REQS`` requests. By shape only: one CUDA-graph
+    size runs one kernel.
 
     Measured on an H100 (benchmarks/RESULTS.md, run 25), 128 heads, batch
-    1-4 x 16-64K local keys, q_len 4: fp8 0.91-1.01 x FlashMLA alone (the
-    tiles with their finishing launch 1.00-1.11); bf16 faster at 16K but
-    1.09-1.14 x at 32-64K (batch 2-4), so bf16 keeps the tiles (and a lone
-    bf16 request FA3); at 96 heads (8 tiles against 6) 1.13-1.42 x.
+    1-8 x 16-64K local keys, q_len 4: fp8 0.91-1.01 x FlashMLA alone (the
+    tiles with their finishing launch 1.00-1.11), at batch 64 1.06-1.10 x;
+    bf16 faster at 16K but 1.09-1.14 x at 32-64K (batch 2-4), so bf16 keeps
+    the tiles (and a lone bf16 request FA3); at 96 heads (8 tiles against
+    6) 1.13-1.42 x.
     """
-    return fp8 and query_len >= 2 and num_heads % FLASHMLA_TILE_ROWS == 0
+    return (fp8 and query_len >= 2 and num_reqs <= MAX_REQS
+            and num_heads % FLASHMLA_TILE_ROWS == 0)
 
 
 if triton is not None:
