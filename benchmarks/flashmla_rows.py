@@ -324,6 +324,51 @@ def layer_part(args, gen):
     return rows
 
 
+def check_part(args, gen):
+    """The rows as the builder plans them (``dcp``) against the rows before
+    (tiles and the finishing launch) and float32 attention over each row's
+    exact local keys, at the deployed head counts (the GPU tests run 16)."""
+    rows = []
+    for heads in args.heads:
+        for causal in (True, False):
+            for fp8 in (False, True):
+                for batch in args.batch:
+                    local = args.local[0] + 3  # a partial last page
+                    point = Point(batch, local, args.q_len, heads, causal, fp8, WORLD, gen)
+                    out, lse = point.dcp_fn(fa3=args.fa3, token_rows=args.token_rows)()
+                    old_out, old_lse = point.dcp_fn(fa3=args.fa3, token_rows=False,
+                                                    block_heads=False)()
+                    ref_out, ref_lse = _dense_rows(point)
+                    row = dict(part="check", heads=heads, kv="fp8" if fp8 else "bf16",
+                               kind="verify" if causal else "draft", batch=batch,
+                               local=local, bitwise_before=bool(torch.equal(out, old_out)),
+                               out_err=(out.float() - ref_out).abs().max().item(),
+                               lse_err=(lse - ref_lse).abs().max().item(),
+                               before_out_err=(old_out.float() - ref_out).abs().max().item())
+                    print("check", row, flush=True)
+                    rows.append(row)
+                    del point
+    return rows
+
+
+def _dense_rows(point):
+    """float32 attention of every row over its own local keys (the rows'
+    ``seq_lens``: rank 0's exact causal bounds), values as the cache holds
+    them."""
+    scale_q = Q_SCALE if point.fp8 else 1.0
+    scale_k = K_SCALE if point.fp8 else 1.0
+    q = point.q.float() * scale_q
+    outs, lses = [], []
+    for t in range(point.num_rows):
+        bound = int(point.flat.seq_lens[t])
+        pages = point.flat.block_table[t].long()
+        keys = point.caches[0][pages].float().reshape(-1, DV + DR)[:bound] * scale_k
+        scores = q[t] @ keys.T * point.scale  # [H, bound]
+        lses.append(torch.logsumexp(scores, -1))
+        outs.append(torch.softmax(scores, -1) @ keys[:, :DV])
+    return torch.stack(outs), torch.stack(lses)
+
+
 def step_part(args, gen):
     """61 layers as one graph: W 1 (alone over ctx) vs W 8 (dcp over ctx/8)."""
     rows = []
@@ -465,6 +510,7 @@ def main():
           f"{BF16_TFLOPS} TFLOP/s bf16", flush=True)
     gen = torch.Generator("cuda").manual_seed(0)
     run_parts({"layer": lambda: layer_part(args, gen),
+               "check": lambda: check_part(args, gen),
                "step": lambda: step_part(args, gen),
                "host": lambda: host_part(args)},
               args.parts, f"{args.out_dir}/flashmla_rows.csv")
