@@ -118,9 +118,12 @@ class Point:
             _k_scale=torch.tensor([K_SCALE if fp8 else 1.0], device=dev),
             _q_scale_float=Q_SCALE if fp8 else 1.0, _k_scale_float=K_SCALE if fp8 else 1.0)
 
-    def dcp_fn(self, cache_index=0, fa3=True):
+    def dcp_fn(self, cache_index=0, fa3=True, token_rows=None, block_heads=True):
         """The FLASHMLA impl's ``forward_mqa`` on this point's plan (with the
-        builder's FA3 for a lone bf16 request unless ``fa3`` is False)."""
+        builder's FA3 for a lone bf16 request unless ``fa3`` is False;
+        ``token_rows`` forces FlashMLA's one-token requests on or off, None
+        as the builder chooses; ``block_heads`` False gives a DSpark block
+        to FlashMLA as tokens with the finishing launch, the rows before)."""
         from tests.support.builder_harness import make_mla_impl
         from vllm.v1.attention.backends.mla.dcp_metadata import DCPDecodeMetadata
         from vllm.v1.attention.backends.mla.flashmla_dcp_mla import FlashMLADCPImpl
@@ -138,7 +141,8 @@ class Point:
         planner = FlashMLARowPlanner(
             max_reqs=self.batch, max_rows=self.num_rows, num_heads=self.heads,
             kv_lora_rank=DV, fp8=self.fp8, num_sms=num_compute_units(0),
-            device=self.q.device, fa3=fa3_plans)
+            device=self.q.device, fa3=fa3_plans, token_rows=token_rows,
+            block_heads=block_heads)
         decode = DCPDecodeMetadata(
             block_table=self.table, seq_lens=self.local_lens,
             dcp_tot_seq_lens=self.local_lens * self.world, flat=self.flat,
@@ -277,19 +281,30 @@ def layer_part(args, gen):
                         point = Point(batch, local, args.q_len, heads, causal, fp8,
                                       WORLD, gen)
                         roof = roofline_us(batch, local, args.q_len, heads)
-                        paths = {"dcp": functools.partial(point.dcp_fn, fa3=args.fa3),
+                        paths = {"dcp": functools.partial(point.dcp_fn, fa3=args.fa3,
+                                                          token_rows=args.token_rows),
                                  "alone": point.alone_fn}
+                        if args.compare_rows:  # the rows before (tiles, finishing
+                            # launch), as the builder now plans them, FlashMLA alone
+                            paths = {"before": functools.partial(
+                                point.dcp_fn, fa3=args.fa3, token_rows=False,
+                                block_heads=False), **paths}
                         if args.baselines:
                             paths["fi-fp8" if fp8 else "fa3"] = (
                                 point.flashinfer_fp8_fn if fp8 else point.fa3_fn)
-                        times = {}
+                        fns, samples = {}, {path: [] for path in paths}
                         for path, make in paths.items():
                             try:
-                                times[path] = time_ms(make()) * 1e3
+                                fns[path] = make()
                             except Exception as error:  # noqa: BLE001 - report it
                                 print(f"  {path}: {type(error).__name__}: "
                                       f"{str(error)[:200]}")
-                                times[path] = float("nan")
+                        for _ in range(args.repeats):  # the paths interleaved
+                            for path, fn in fns.items():
+                                samples[path].append(time_ms(fn) * 1e3)
+                        times = {path: statistics.median(samples[path])
+                                 if samples[path] else float("nan") for path in paths}
+                        del fns
                         for path, us in times.items():
                             rows.append(dict(part="layer", path=path, heads=heads,
                                              kind="verify" if causal else "draft",
@@ -297,14 +312,61 @@ def layer_part(args, gen):
                                              local=local, q_len=args.q_len,
                                              us=round(us, 1), roofline_us=round(roof, 1),
                                              of_roofline=round(roof / us, 3)))
+                        ratios = "".join(f" {p}/alone {times[p] / times['alone']:.3f}"
+                                         for p in ("before", "dcp") if p in times)
                         print(f"{heads:4}{'verify' if causal else 'draft':>7}"
                               f"{'fp8' if fp8 else 'bf16':>5}{batch:4}{local // 1024:6}K  "
-                              + "  ".join(f"{us:8.0f}/{roof / us:.2f}"
-                                          for us in times.values())
-                              + f"   {times['dcp'] / times['alone']:.3f}", flush=True)
+                              + "  ".join(f"{p} {us:.1f}/{roof / us:.2f}"
+                                          for p, us in times.items())
+                              + f"  {ratios}", flush=True)
                         del point
                         torch.cuda.empty_cache()
     return rows
+
+
+def check_part(args, gen):
+    """The rows as the builder plans them (``dcp``) against the rows before
+    (tiles and the finishing launch) and float32 attention over each row's
+    exact local keys, at the deployed head counts (the GPU tests run 16)."""
+    rows = []
+    for heads in args.heads:
+        for causal in (True, False):
+            for fp8 in (False, True):
+                for batch in args.batch:
+                    local = args.local[0] + 3  # a partial last page
+                    point = Point(batch, local, args.q_len, heads, causal, fp8, WORLD, gen)
+                    out, lse = point.dcp_fn(fa3=args.fa3, token_rows=args.token_rows)()
+                    old_out, old_lse = point.dcp_fn(fa3=args.fa3, token_rows=False,
+                                                    block_heads=False)()
+                    ref_out, ref_lse = _dense_rows(point)
+                    row = dict(part="check", heads=heads, kv="fp8" if fp8 else "bf16",
+                               kind="verify" if causal else "draft", batch=batch,
+                               local=local, bitwise_before=bool(torch.equal(out, old_out)),
+                               out_err=(out.float() - ref_out).abs().max().item(),
+                               lse_err=(lse - ref_lse).abs().max().item(),
+                               before_out_err=(old_out.float() - ref_out).abs().max().item())
+                    print("check", row, flush=True)
+                    rows.append(row)
+                    del point
+    return rows
+
+
+def _dense_rows(point):
+    """float32 attention of every row over its own local keys (the rows'
+    ``seq_lens``: rank 0's exact causal bounds), values as the cache holds
+    them."""
+    scale_q = Q_SCALE if point.fp8 else 1.0
+    scale_k = K_SCALE if point.fp8 else 1.0
+    q = point.q.float() * scale_q
+    outs, lses = [], []
+    for t in range(point.num_rows):
+        bound = int(point.flat.seq_lens[t])
+        pages = point.flat.block_table[t].long()
+        keys = point.caches[0][pages].float().reshape(-1, DV + DR)[:bound] * scale_k
+        scores = q[t] @ keys.T * point.scale  # [H, bound]
+        lses.append(torch.logsumexp(scores, -1))
+        outs.append(torch.softmax(scores, -1) @ keys[:, :DV])
+    return torch.stack(outs), torch.stack(lses)
 
 
 def step_part(args, gen):
@@ -325,7 +387,8 @@ def step_part(args, gen):
                     copies = max(1, min(args.layers, int(args.pool_gib * 2**30 // per_cache)))
                     point = Point(batch, local, args.q_len, heads, True, fp8, WORLD, gen,
                                   copies=copies)
-                    fns = [point.alone_fn(i) if world == 1 else point.dcp_fn(i, fa3=fa3)
+                    fns = [point.alone_fn(i) if world == 1
+                           else point.dcp_fn(i, fa3=fa3, token_rows=args.token_rows)
                            for i in range(copies)]
 
                     def step(fns=fns):
@@ -432,12 +495,22 @@ def main():
     ap.add_argument("--no-fa3", dest="fa3", action="store_false",
                     help="plan the DCP rows on FlashMLA at every batch (no FA3 for "
                          "a lone bf16 request)")
+    ap.add_argument("--token-rows", choices=("auto", "on", "off"), default="auto",
+                    help="FlashMLA's one-token requests for the dcp path: as the "
+                         "builder chooses (flashmla_token_rows), always, never")
+    ap.add_argument("--compare-rows", action="store_true",
+                    help="time the rows before token rows / block heads (tiles and "
+                         "the finishing launch) beside dcp and alone, in the same call")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="layer: times each path is timed, interleaved (median kept)")
     ap.add_argument("--out-dir", default=".")
     args = ap.parse_args()
+    args.token_rows = {"auto": None, "on": True, "off": False}[args.token_rows]
     print(f"{torch.cuda.get_device_name(0)}: roofline at {hbm_tbs()} TB/s, "
           f"{BF16_TFLOPS} TFLOP/s bf16", flush=True)
     gen = torch.Generator("cuda").manual_seed(0)
     run_parts({"layer": lambda: layer_part(args, gen),
+               "check": lambda: check_part(args, gen),
                "step": lambda: step_part(args, gen),
                "host": lambda: host_part(args)},
               args.parts, f"{args.out_dir}/flashmla_rows.csv")

@@ -182,6 +182,11 @@ def test_triton_path_ranks_merge_to_full_attention(flashmla, tmp_path, world,
     assert kinds == {"fp8" if fp8 else "bf16"}
     assert all(not call["causal"] for _, call in flashmla.kernel.calls), (
         "FlashMLA's own causal mask is wrong on a shard; the rows use causal=False")
+    # A DSpark block's tokens go to FlashMLA as heads (no finishing launch
+    # but the empty rows' mask); a verify block's as tokens.
+    q_len = max(CASES[shape][1])
+    assert {call["shape"][1:3] for _, call in flashmla.kernel.calls} == (
+        {(q_len, NUM_HEADS)} if causal else {(1, q_len * NUM_HEADS)})
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
@@ -230,6 +235,83 @@ def test_triton_path_lone_request_pieces_merge_to_full_attention(
     assert {call["shape"][0] for _, call in flashmla.kernel.calls} == {pieces}
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("world,interleave,shape,causal", [
+    (2, 1, "uniform", True), (2, 1, "uniform", False), (4, 16, "padded", True),
+    (4, 16, "padded", False), (8, 64, "short", True), (8, 64, "short", False),
+    (8, 1, "padded", True), (8, 1, "padded", False), (2, 1, "cut_last", True),
+    (4, 16, "cut_first", True), (8, 64, "one_and_full", True), (8, 1, "cut_first", True)])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_triton_path_token_rows_merge_to_full_attention(
+        flashmla, tmp_path, monkeypatch, world, interleave, shape, causal, fp8):
+    """FlashMLA given every row as a request of one token over its own local
+    bound (``flashmla_token_rows``, forced here: the tiny model's 8 heads are
+    no multiple of 64): no tail launch, ragged and padded batches alike, the
+    rows with no local key (FlashMLA's stand-in gives them NaN; fp8 attends
+    the one key its length is raised to) masked to out 0 / LSE -inf; every
+    rank's rows merge to full attention."""
+    from vllm.v1.attention.ops import flashmla_dcp_rows
+
+    monkeypatch.setattr(flashmla_dcp_rows, "token_rows_preferred",
+                        lambda *, num_heads, query_len, fp8, num_reqs: query_len >= 2)
+    tails = mock.Mock(side_effect=AssertionError("token rows run no tail launch"))
+    monkeypatch.setattr(flashmla_dcp_rows, "tail_merge", tails)
+    out, lse, ref_out, ref_lse = _run_ranks(
+        flashmla, tmp_path, world=world, interleave=interleave, causal=causal,
+        shape=shape, fp8=fp8, seed=world + interleave)
+    seq_lens, query_lens = CASES[shape] if shape in CASES else RAGGED[shape]
+    rows = len(query_lens) * max(query_lens) if shape in CASES else sum(query_lens)
+    assert {call["shape"][:2] for _, call in flashmla.kernel.calls} == {(rows, 1)}
+    assert all(not call["causal"] for _, call in flashmla.kernel.calls)
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_triton_path_mask_empty_rows_writes_only_empty_and_bad_rows(with_prefix):
+    """``mask_empty_rows``: a row with no key gets out 0 / LSE -inf, a row
+    whose bound is not the prefix FlashMLA attended NaN (with prefixes), every
+    other row keeps FlashMLA's values bit for bit; 20 heads (a partial head
+    block)."""
+    from vllm.v1.attention.ops.flashmla_token_rows import mask_empty_rows
+
+    gen = torch.Generator().manual_seed(3)
+    out = torch.randn(6, 20, 512, generator=gen).bfloat16()
+    lse = torch.randn(6, 20, generator=gen)
+    seq_lens = torch.tensor([5, 0, 7, 0, 1, 9], dtype=torch.int32)
+    prefix = torch.tensor([5, 0, 6, 0, 1, 9], dtype=torch.int32)  # row 2 has a tail
+    want_out, want_lse = out.clone(), lse.clone()
+    want_out[[1, 3]], want_lse[[1, 3]] = 0, -torch.inf
+    if with_prefix:
+        want_out[2], want_lse[2] = torch.nan, torch.nan
+    mask_empty_rows(out, lse, seq_lens, prefix_lens=prefix if with_prefix else None)
+    assert torch.equal(out.isnan(), want_out.isnan())
+    assert torch.equal(lse.isnan(), want_lse.isnan())
+    assert torch.equal(out.nan_to_num(), want_out.nan_to_num())
+    assert torch.equal(lse.nan_to_num(), want_lse.nan_to_num())
+
+
+def test_token_rows_preferred_by_flashmla_tiles():
+    """One-token requests for an fp8 cache where they cost FlashMLA no more
+    64-row tiles: 128 heads (DeepSeek-V3's at -dcp = -tp), not 96 (Kimi-K3's)
+    or 8; only for multi-token blocks; bf16 keeps the tiles (slower at
+    32-64K on the H100)."""
+    from vllm.v1.attention.ops.flashmla_token_rows import token_rows_preferred
+
+    def preferred(heads, q_len, fp8, reqs=4):
+        return token_rows_preferred(num_heads=heads, query_len=q_len, fp8=fp8,
+                                    num_reqs=reqs)
+
+    assert preferred(128, 4, True) and preferred(128, 4, True, reqs=8)
+    assert preferred(64, 2, True)
+    assert not preferred(128, 4, True, reqs=9)  # 1.06-1.10 x at batch 64
+    assert not preferred(128, 4, False)
+    assert not preferred(96, 4, True)
+    assert not preferred(8, 4, True)
+    assert not preferred(128, 1, True)
 
 
 @contextlib.contextmanager

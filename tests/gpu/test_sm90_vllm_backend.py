@@ -38,6 +38,7 @@ builder on CPU with a stand-in for FA3.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from types import SimpleNamespace
 from unittest import mock
@@ -86,8 +87,13 @@ BACKENDS = {
     "flashmla-fp8": ("flashmla_dcp_mla", "FlashMLADCPMetadataBuilder",
                      "FlashMLADCPImpl", "fp8"),
 }
+BACKENDS["flashmla-tokens"] = BACKENDS["flashmla"]
+BACKENDS["flashmla-fp8-tokens"] = BACKENDS["flashmla-fp8"]
+# FLASHMLA with its rows as one-token FlashMLA requests, forced on (these
+# tests' 16 heads would keep the tiles): flashmla_token_rows.
+TOKEN_ROWS = ("flashmla-tokens", "flashmla-fp8-tokens")
 # Backends whose graph replay must equal their eager run bitwise.
-BITWISE_REPLAY = ("flashinfer", "flashmla", "flashmla-fp8")
+BITWISE_REPLAY = ("flashinfer", "flashmla", "flashmla-fp8") + TOKEN_ROWS
 # fp8 per-tensor scales of the stand-in layer (vLLM's _q_scale / _k_scale).
 Q_SCALE, K_SCALE = 0.05, 0.1
 FP8 = torch.float8_e4m3fn
@@ -161,8 +167,9 @@ class SimulatedRanks:
                                  generator=torch.Generator().manual_seed(7))
                   for cache in caches]
         self.ranks = []
+        token_rows = {"VLLM_DCP_FLASHMLA_TOKEN_ROWS": "1" if backend in TOKEN_ROWS else "0"}
         for rank in range(world):
-            with self.rank_context(rank):
+            with self.rank_context(rank), mock.patch.dict(os.environ, token_rows):
                 builder = make_builder(builder_cls, self.config,
                                        layer_names=self.layer_names,
                                        non_causal=draft, device=DEVICE)
@@ -479,8 +486,11 @@ def test_graphs_at_every_shape_vllm_captures(tmp_path, backend, world, interleav
                 if backend.startswith("flashmla"):
                     # A lone bf16 request's block runs FA3 (flashmla_fa3_rows).
                     fa3 = metadata.decode.plan.fa3 is not None
-                    assert fa3 == (backend == "flashmla" and num_reqs == 1), (
-                        backend, num_reqs, fa3)
+                    bf16 = BACKENDS[backend][3] == "auto"
+                    assert fa3 == (bf16 and num_reqs == 1), (backend, num_reqs, fa3)
+                    tokens = metadata.decode.plan.token_rows
+                    assert tokens == (backend in TOKEN_ROWS and not fa3), (
+                        backend, num_reqs, tokens)
                 graph, outputs = captured[rank, num_tokens]
                 for out, lse in outputs:
                     out.fill_(float("nan"))

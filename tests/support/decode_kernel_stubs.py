@@ -39,6 +39,21 @@ def _merge(parts):
     return out, top + torch.log(weights.sum(0))
 
 
+def mask_empty_rows(out, lse, seq_lens, prefix_lens=None):
+    """``flashmla_token_rows.mask_empty_rows`` in torch: rows with no local
+    key out 0 / LSE -inf, rows whose bound is not ``prefix_lens`` NaN, the
+    rest untouched."""
+    num_rows = out.shape[0]
+    lens = seq_lens[:num_rows].long()
+    bad = (lens != prefix_lens[:num_rows].long() if prefix_lens is not None
+           else torch.zeros_like(lens, dtype=torch.bool))
+    empty = (lens == 0) & ~bad
+    out[empty] = 0
+    lse[empty] = float("-inf")
+    out[bad] = float("nan")
+    lse[bad] = float("nan")
+
+
 def tail_merge(q, kv_cache, block_table, row_lens, prefix_lens, out, lse, *,
                sm_scale, lse_in_base2=True, lse_in=None, q_scale=None, k_scale=None,
                has_tails=True, out_in=None, piece_lens=None, **tuning):

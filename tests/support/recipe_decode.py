@@ -112,9 +112,9 @@ _WORKSPACES = (("vllm.v1.attention.backends.mla.flashinfer_dcp_mla", "_get_works
 def decode_stand_ins(major: int):
     """The decode kernels of an sm``major``0 recipe: FA3 (FlashInfer's, the
     plan-honouring fake of ``flashinfer_fa3_fake``, on sm90;
-    FlashAttention's, ``FlashAttnMLAReference``), the tail launch and vLLM's
-    Triton MLA decode (``decode_kernel_stubs``); FlashInfer's MLA decode and
-    Tokenspeed's (``kernel_stubs``). FlashMLA is
+    FlashAttention's, ``FlashAttnMLAReference``), the tail launch, FLASHMLA's
+    empty-row mask and vLLM's Triton MLA decode (``decode_kernel_stubs``);
+    FlashInfer's MLA decode and Tokenspeed's (``kernel_stubs``). FlashMLA is
     ``recipe_forward.kernel_stand_ins``'."""
     from tests.support import decode_kernel_stubs as stubs
     from tests.support.flashinfer_fa3_fake import flashinfer_mla_faked
@@ -127,6 +127,9 @@ def decode_stand_ins(major: int):
         for module in _TAIL_MERGE_USERS:
             owner = import_on_cpu(module)
             enter(mock.patch.object(owner, "tail_merge", stubs.tail_merge))
+        # FLASHMLA's token rows / DSpark blocks as heads mask their empty rows.
+        enter(mock.patch.object(import_on_cpu("vllm.v1.attention.ops.flashmla_dcp_rows"),
+                                "mask_empty_rows", stubs.mask_empty_rows))
         owner = importlib.import_module("vllm.v1.attention.backends.mla.flashattn_mla")
         for name in ("flash_attn_varlen_func", "get_scheduler_metadata"):
             enter(mock.patch.object(owner, name, getattr(flash_attn, name)))

@@ -39,9 +39,20 @@ contract: same shapes and lengths), inside the graph when captured; fp8: the
 planner makes it (``get_mla_metadata_dense_fp8``) into persistent buffers, as
 vLLM's FLASHMLA builder does.
 
+A uniform DSpark block (every token sees its request's prefix) is given to
+FlashMLA with its s tokens as s x H heads of one token: the same tiles, and
+the output and LSE come out in vLLM's layout, so only the rows with no
+local key are masked after it (``flashmla_token_rows.mask_empty_rows``).
+
 A lone bf16 request's block runs FlashInfer's FA3 instead where the builder
 gives the planner ``FA3RowPlans`` (``flashmla_fa3_rows``: faster there on an
 H100), with its plan made on the device and the same finishing launch.
+
+Where FlashMLA's 64-row tiles allow it and it measured faster
+(``flashmla_token_rows``: fp8, the heads a multiple of 64), every row is
+given to FlashMLA as a request of one token over exactly its local keys
+instead: no tails, the output already in vLLM's layout, and only the rows
+with no local key masked after it.
 
 The kernels are vLLM's (``vllm.v1.attention.ops.flashmla``), imported when a
 plan is made; nothing of vllm is imported at module level.
@@ -62,6 +73,11 @@ import torch
 from vllm.v1.attention.ops.dcp_decode import FlatDecode
 from vllm.v1.attention.ops.flashmla_fa3_rows import FA3RowPlans, fa3_rows_preferred
 from vllm.v1.attention.ops.flashmla_pieces import PiecePlanner, pieces_for
+from vllm.v1.attention.ops.flashmla_token_rows import (
+    MAX_REQS as SMALL_BATCH,
+    mask_empty_rows,
+    token_rows_preferred,
+)
 from vllm.v1.attention.ops.mla_tail_merge import tail_merge
 
 __all__ = ["FlashMLARowPlan", "FlashMLARowPlanner", "TILE_METADATA_WIDTH"]
@@ -113,6 +129,15 @@ class FlashMLARowPlan:
             [R * N] their block table and keys (None with one piece).
         fa3: the planned ``FlashInferSm90DevicePlan`` that runs the rows
             instead of FlashMLA (``FA3RowPlans``), or None.
+        token_rows: FlashMLA takes the T rows as T requests of one token
+            (``flashmla_token_rows``): ``kernel_lens`` int32 [T] are the
+            rows' local bounds (fp8: at least 1), ``sched_meta`` made for
+            them; ``num_reqs`` and ``query_len`` still describe the batch.
+        block_heads: a uniform DSpark block on one piece is given to
+            FlashMLA as R requests of one token x s * H heads (its output
+            already vLLM's layout: only the empty rows masked after it);
+            False: the s-token tiles and the finishing launch. Planned for
+            at most ``flashmla_token_rows.MAX_REQS`` requests (measured).
     """
 
     num_reqs: int
@@ -135,6 +160,8 @@ class FlashMLARowPlan:
     piece_table: torch.Tensor | None = None
     piece_lens: torch.Tensor | None = None
     fa3: Any = None
+    token_rows: bool = False
+    block_heads: bool = True
 
     @property
     def is_current(self) -> bool:
@@ -170,6 +197,13 @@ class FlashMLARowPlan:
                 raise ValueError(f"FLASHMLA under DCP planned FA3 with softmax scale "
                                  f"{self.fa3.sm_scale}, the layer has {sm_scale}")
             return self.fa3.run(q, kv_cache)
+        if self.token_rows:
+            return self._run_token_rows(q, kv_cache, sm_scale=sm_scale,
+                                        q_scale=q_scale, k_scale=k_scale)
+        if (self.block_heads and not self.causal and self.tile_rows is None
+                and self.pieces == 1 and q.stride(0) == num_heads * q.stride(1)):
+            return self._run_block_as_heads(q, kv_cache, sm_scale=sm_scale,
+                                            q_scale=q_scale, k_scale=k_scale)
         ops = _flashmla_ops()
         q_tiles = q if self.tile_rows is None else _gather_rows(q, self.tile_rows)
         q_tiles = q_tiles.view(self.num_reqs, self.query_len, num_heads, q.shape[-1])
@@ -217,6 +251,64 @@ class FlashMLARowPlan:
                    has_tails=self.causal, out_in=pieces_out, piece_lens=pieces_lens)
         return out, lse_rows
 
+    def _run_block_as_heads(self, q, kv_cache, *, sm_scale, q_scale, k_scale):
+        """A DSpark block (every token of a request sees its prefix): the s
+        tokens x H heads given to FlashMLA as one token of s x H heads (q
+        [R, 1, s * H, D], a view; FlashMLA tiles the same s x H rows in the
+        same order), so its out [R, 1, s * H, Dv] and LSE [R, s * H, 1] are
+        vLLM's [T, H, Dv] / [T, H]; then the empty rows masked (rows whose
+        bound is not their prefix, which a DSpark block never has, NaN)."""
+        ops = _flashmla_ops()
+        num_rows, num_heads = q.shape[0], q.shape[1]
+        q_block = q.view(self.num_reqs, 1, self.query_len * num_heads, q.shape[-1])
+        cache = kv_cache.unsqueeze(-2)  # FlashMLA's one KV head
+        if self.fp8:
+            tile_metadata, num_splits = self.sched_meta
+            out, lse = ops.flash_mla_with_kvcache_fp8(
+                q=q_block, k_cache=cache, block_table=self.block_table,
+                cache_seqlens=self.kernel_lens, head_dim_v=self.kv_lora_rank,
+                tile_scheduler_metadata=tile_metadata, num_splits=num_splits,
+                softmax_scale=sm_scale, causal=False,
+                descale_q=q_scale.reshape(1), descale_k=k_scale.reshape(1))
+        else:
+            out, lse = ops.flash_mla_with_kvcache(
+                q=q_block, k_cache=cache, block_table=self.block_table,
+                cache_seqlens=self.prefix_lens, head_dim_v=self.kv_lora_rank,
+                tile_scheduler_metadata=self.sched_meta, softmax_scale=sm_scale,
+                causal=False)
+        out = out.reshape(num_rows, num_heads, self.kv_lora_rank)
+        lse = lse.reshape(num_rows, num_heads)
+        mask_empty_rows(out, lse, self.rows.seq_lens[:num_rows],
+                        prefix_lens=self.row_prefix_lens[:num_rows])
+        return out, lse
+
+    def _run_token_rows(self, q, kv_cache, *, sm_scale, q_scale, k_scale):
+        """FlashMLA over T requests of one token each (every row its own
+        local bound and block table), then the empty rows masked."""
+        ops = _flashmla_ops()
+        num_rows, num_heads = q.shape[0], q.shape[1]
+        q_rows = q.unsqueeze(1)  # [T, 1, H, D]
+        cache = kv_cache.unsqueeze(-2)  # FlashMLA's one KV head
+        table = self.rows.block_table[:num_rows]
+        if self.fp8:
+            tile_metadata, num_splits = self.sched_meta
+            out, lse = ops.flash_mla_with_kvcache_fp8(
+                q=q_rows, k_cache=cache, block_table=table,
+                cache_seqlens=self.kernel_lens, head_dim_v=self.kv_lora_rank,
+                tile_scheduler_metadata=tile_metadata, num_splits=num_splits,
+                softmax_scale=sm_scale, causal=False,
+                descale_q=q_scale.reshape(1), descale_k=k_scale.reshape(1))
+        else:
+            out, lse = ops.flash_mla_with_kvcache(
+                q=q_rows, k_cache=cache, block_table=table,
+                cache_seqlens=self.kernel_lens, head_dim_v=self.kv_lora_rank,
+                tile_scheduler_metadata=self.sched_meta, softmax_scale=sm_scale,
+                causal=False)
+        out = out.reshape(num_rows, num_heads, self.kv_lora_rank)
+        lse = lse.reshape(num_rows, num_heads)
+        mask_empty_rows(out, lse, self.rows.seq_lens[:num_rows])
+        return out, lse
+
 
 class FlashMLARowPlanner:
     """Plans a KV-cache group's FlashMLA rows once per forward, on the device.
@@ -235,24 +327,33 @@ class FlashMLARowPlanner:
         device: the group's device.
         fa3: where a lone bf16 request runs FA3 (``fa3_rows_preferred``);
             None: FlashMLA for every batch.
+        token_rows: whether FlashMLA takes a multi-token block's rows as
+            one-token requests (``flashmla_token_rows``); None: where
+            ``token_rows_preferred`` says so.
+        block_heads: a uniform DSpark block's tokens given to FlashMLA as
+            heads (``FlashMLARowPlan.block_heads``); False: as tokens, with
+            the finishing launch (the rows before).
     """
 
     def __init__(self, *, max_reqs: int, max_rows: int, num_heads: int,
                  kv_lora_rank: int, fp8: bool, num_sms: int,
-                 device: torch.device, fa3: FA3RowPlans | None = None) -> None:
+                 device: torch.device, fa3: FA3RowPlans | None = None,
+                 token_rows: bool | None = None, block_heads: bool = True) -> None:
         i32 = dict(dtype=torch.int32, device=device)
         self.num_heads = num_heads
         self.kv_lora_rank = kv_lora_rank
         self.planned_forward_id = 0  # of the last plan
         self.fp8 = fp8
         self._prefix_lens = torch.zeros(max_reqs, **i32)
-        self._kernel_lens = torch.zeros(max_reqs, **i32)
+        self._kernel_lens = torch.zeros(max(max_reqs, max_rows), **i32)
         self._row_prefix_lens = torch.zeros(max_rows, **i32)
         self._tile_metadata = torch.zeros(num_sms, TILE_METADATA_WIDTH, **i32)
-        self._num_splits = torch.zeros(max_reqs + 1, **i32)
+        self._num_splits = torch.zeros(max(max_reqs, max_rows) + 1, **i32)
         self._num_sms = num_sms
         self._pieces = PiecePlanner(device)
         self._fa3 = fa3
+        self._token_rows = token_rows
+        self._block_heads = block_heads
 
     def plan(self, rows: FlatDecode, block_table: torch.Tensor, *,
              query_start_loc: torch.Tensor, query_start_loc_cpu: torch.Tensor,
@@ -288,6 +389,10 @@ class FlashMLARowPlanner:
                 f"the buffers sized at start-up ({self._prefix_lens.shape[0]} / "
                 f"{self._row_prefix_lens.shape[0]}): raise --max-num-seqs")
         self.planned_forward_id = forward_id
+        if self._takes_token_rows(num_reqs=num_reqs, query_len=query_len):
+            return self._plan_token_rows(rows, block_table, num_reqs=num_reqs,
+                                         query_len=query_len, num_rows=num_rows,
+                                         causal=causal, forward_id=forward_id)
         prefix = self._prefix_lens[:num_reqs]
         row_prefix = self._row_prefix_lens[:num_rows]
         tile_rows = row_tiles = None
@@ -313,22 +418,7 @@ class FlashMLARowPlanner:
                 kernel_lens=prefix, rows=rows, row_prefix_lens=row_prefix,
                 sched_meta=None, fp8=False, kv_lora_rank=self.kv_lora_rank,
                 planned_forward_id=forward_id, planner=self, fa3=fa3)
-        ops = _flashmla_ops()
-        kernel_lens = prefix
-        if self.fp8:
-            kernel_lens = self._kernel_lens[:num_reqs]
-            torch.clamp(prefix, min=1, out=kernel_lens)
-            tile_metadata, num_splits = ops.get_mla_metadata_dense_fp8(
-                kernel_lens, query_len * self.num_heads, 1)
-            parts = tile_metadata.shape[0]
-            if parts > self._tile_metadata.shape[0]:
-                raise RuntimeError(f"FlashMLA made {parts} SM partitions, more "
-                                   f"than the GPU's {self._tile_metadata.shape[0]} SMs")
-            self._tile_metadata[:parts].copy_(tile_metadata)
-            self._num_splits[:num_reqs + 1].copy_(num_splits)
-            sched_meta = (self._tile_metadata[:parts], self._num_splits[:num_reqs + 1])
-        else:
-            sched_meta = ops.get_mla_metadata()[0]
+        kernel_lens, sched_meta = self._kernel_plan(prefix, query_len * self.num_heads)
         pieces = 1 if tile_rows is not None else pieces_for(
             num_reqs=num_reqs, fp8=self.fp8, rows_per_request=query_len * self.num_heads,
             num_sms=self._num_sms)
@@ -342,7 +432,54 @@ class FlashMLARowPlanner:
             row_prefix_lens=row_prefix, sched_meta=sched_meta, fp8=self.fp8,
             kv_lora_rank=self.kv_lora_rank, planned_forward_id=forward_id,
             planner=self, tile_rows=tile_rows, row_tiles=row_tiles, pieces=pieces,
-            piece_table=piece_table, piece_lens=piece_lens)
+            piece_table=piece_table, piece_lens=piece_lens,
+            block_heads=self._block_heads and num_reqs <= SMALL_BATCH)
+
+    def _takes_token_rows(self, *, num_reqs: int, query_len: int) -> bool:
+        """By batch shape only (one CUDA-graph size runs one kernel); a lone
+        bf16 request that FA3 takes keeps FA3."""
+        if self._fa3 is not None and fa3_rows_preferred(
+                num_reqs=num_reqs, query_len=query_len, fp8=self.fp8):
+            return False
+        if self._token_rows is not None:
+            return self._token_rows and query_len >= 2
+        return token_rows_preferred(num_heads=self.num_heads, query_len=query_len,
+                                    fp8=self.fp8, num_reqs=num_reqs)
+
+    def _kernel_plan(self, lens: torch.Tensor, rows_per_request: int):
+        """FlashMLA's lengths and scheduler metadata for requests of
+        ``lens`` keys: bf16 the lengths and an empty ``FlashMLASchedMeta``
+        (the first layer fills it); fp8 the lengths raised to 1 (the
+        kernel faults with no key anywhere) in a persistent buffer and the
+        metadata made here, copied into persistent buffers."""
+        ops = _flashmla_ops()
+        if not self.fp8:
+            return lens, ops.get_mla_metadata()[0]
+        count = lens.shape[0]
+        kernel_lens = self._kernel_lens[:count]
+        torch.clamp(lens, min=1, out=kernel_lens)
+        tile_metadata, num_splits = ops.get_mla_metadata_dense_fp8(
+            kernel_lens, rows_per_request, 1)
+        parts = tile_metadata.shape[0]
+        if parts > self._tile_metadata.shape[0]:
+            raise RuntimeError(f"FlashMLA made {parts} SM partitions, more "
+                               f"than the GPU's {self._tile_metadata.shape[0]} SMs")
+        self._tile_metadata[:parts].copy_(tile_metadata)
+        self._num_splits[:count + 1].copy_(num_splits)
+        return kernel_lens, (self._tile_metadata[:parts], self._num_splits[:count + 1])
+
+    def _plan_token_rows(self, rows: FlatDecode, block_table: torch.Tensor, *,
+                         num_reqs: int, query_len: int, num_rows: int, causal: bool,
+                         forward_id: int) -> FlashMLARowPlan:
+        """Every row a FlashMLA request of one token over its own bound."""
+        row_lens = rows.seq_lens[:num_rows]
+        kernel_lens, sched_meta = self._kernel_plan(row_lens, self.num_heads)
+        return FlashMLARowPlan(
+            num_reqs=num_reqs, query_len=query_len, num_rows=num_rows, causal=causal,
+            block_table=block_table, prefix_lens=row_lens, kernel_lens=kernel_lens,
+            rows=rows, row_prefix_lens=row_lens, sched_meta=sched_meta, fp8=self.fp8,
+            kv_lora_rank=self.kv_lora_rank, planned_forward_id=forward_id,
+            planner=self, token_rows=True)
 
 
 def _tiles_are_rows(query_lens: list[int], query_len: int) -> bool:

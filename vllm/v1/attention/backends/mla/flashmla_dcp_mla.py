@@ -17,6 +17,10 @@ A lone bf16 request's block (batch 1 per rank: the DSpark latency regime)
 runs FlashInfer's FA3 on Hopper instead, with its plan made on the device
 (``flashmla_fa3_rows``; faster there, benchmarks/RESULTS.md run 23), where
 FlashInfer is installed; ``VLLM_DCP_FLASHMLA_FA3=0`` keeps FlashMLA.
+Over an fp8 cache with the heads a multiple of 64, FlashMLA takes a
+multi-token block's rows as one-token requests over their own bounds
+(``flashmla_token_rows``: no tail launch); ``VLLM_DCP_FLASHMLA_TOKEN_ROWS``
+1 / 0 forces it on / off.
 
 Rows where this rank holds no KV are masked (out 0, LSE -inf) by the plan's
 own last launch, and the layers' combines, routed once when the builder is
@@ -29,6 +33,7 @@ and kernel calls are upstream's.
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import ClassVar
 
 import torch
@@ -57,6 +62,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec, is_quantized_kv_cache
 from vllm.v1.worker.cpu.triton_interpreter_boot import env_flag
 
 FA3_SWITCH = "VLLM_DCP_FLASHMLA_FA3"
+# FlashMLA's one-token requests (flashmla_token_rows): 1 always, 0 never,
+# unset by shape (token_rows_preferred: fp8, heads a multiple of 64).
+TOKEN_ROWS_SWITCH = "VLLM_DCP_FLASHMLA_TOKEN_ROWS"
 
 
 def _group_kv_cache_dtype(kv_cache_spec: AttentionSpec, vllm_config) -> str:
@@ -98,7 +106,9 @@ class FlashMLADCPMetadataBuilder(DCPDecodeBuilderMixin, FlashMLAMetadataBuilder)
                 num_heads=setting.gathered_heads,
                 kv_lora_rank=self.mla_dims.kv_lora_rank, fp8=fp8, num_sms=num_sms,
                 device=self.device,
-                fa3=self._fa3_row_plans(fp8=fp8, num_sms=num_sms))
+                fa3=self._fa3_row_plans(fp8=fp8, num_sms=num_sms),
+                token_rows=(env_flag(TOKEN_ROWS_SWITCH)
+                            if os.environ.get(TOKEN_ROWS_SWITCH, "").strip() else None))
 
     def _fa3_row_plans(self, *, fp8: bool, num_sms: int) -> FA3RowPlans | None:
         """FA3 for a lone request's block: on Hopper, bf16 / fp16, where
