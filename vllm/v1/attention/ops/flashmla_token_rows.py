@@ -22,6 +22,8 @@ requests cost the same tiles as one request of s tokens where H is a
 multiple of 64 (128 heads: 2 tiles per token, 8 per 4-token request), and
 more where it is not (96 heads: 2 per token against 6 per 4 tokens).
 Taken by shape (``token_rows_preferred``) where measured faster: fp8.
+``mask_empty_rows`` also finishes a DSpark block given to FlashMLA with
+its tokens as heads (``FlashMLARowPlan._run_block_as_heads``).
 
 Imports no vllm module. Shapes: T rows, H heads, Dv = kv_lora_rank.
 """
@@ -54,9 +56,10 @@ def token_rows_preferred(*, num_heads: int, query_len: int, fp8: bool,
     64), for at most ``MAX_REQS`` requests. By shape only: one CUDA-graph
     size runs one kernel.
 
-    Measured on an H100 (benchmarks/RESULTS.md, run 25), 128 heads, batch
-    1-8 x 16-64K local keys, q_len 4: fp8 0.91-1.01 x FlashMLA alone (the
-    tiles with their finishing launch 1.00-1.11), at batch 64 1.06-1.10 x;
+    Measured on an H100 (benchmarks/RESULTS.md, run 25), 128 heads, q_len
+    4, batch 1-4 x 16-64K and 8 x 32-128K local keys: fp8 0.91-1.01 x
+    FlashMLA alone (the tiles with their finishing launch 1.00-1.11); at
+    batch 64 1.06-1.10 x;
     bf16 faster at 16K but 1.09-1.14 x at 32-64K (batch 2-4), so bf16 keeps
     the tiles (and a lone bf16 request FA3); at 96 heads (8 tiles against
     6) 1.13-1.42 x.
