@@ -221,14 +221,27 @@ def _holds_cuda_context() -> bool:
     return torch.cuda.is_initialized()
 
 
+CHILD_TIMEOUT_S = 600.0
+
+
 def _judge_in_child(vllm_config, gpu_major: int | None) -> Verdict:
-    """``judge`` in a spawned child process that loads vLLM's plugins."""
+    """``judge`` in a spawned child process that loads vLLM's plugins. A
+    child that dies or hangs leaves the start to vLLM, with a warning: the
+    check never stops a start for a failure of its own."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(_judge_with_plugins, vllm_config, gpu_major).result()
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=context)
+    try:
+        return pool.submit(_judge_with_plugins, vllm_config, gpu_major).result(
+            timeout=CHILD_TIMEOUT_S)
+    except Exception as error:  # the child died, hung or failed: not vLLM's
+        return Verdict(warning="vllm-dcp-dspark could not ask vLLM for its "
+                       f"backends before the start ({type(error).__name__}: "
+                       f"{error}); the workers check the DCP setting themselves.")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _judge_with_plugins(vllm_config, gpu_major: int | None) -> Verdict:
