@@ -44,14 +44,14 @@ def test_vllm_without_flashmla_refused_before_load(dense_pair):
     ``validate_block_size`` refuses for interleave 64. Refused before load,
     naming --block-size with a value at which vLLM starts both models."""
     from tests.support.gpu_config import on_cuda_host
-    from tests.support.cuda_selection import plugin_registered
+    from tests.support.cuda_selection import backends_overridden
     from vllm.v1.attention.backends.mla import dcp_vllm_answer
 
     from vllm.config.cache import CacheConfig
 
     config = _flashmla_absent_config(dense_pair)
     rs.import_on_cpu(config)
-    with on_cuda_host(9, flashmla=False), plugin_registered(True):
+    with on_cuda_host(9, flashmla=False), backends_overridden():
         answer = dcp_vllm_answer.ask_vllm(config)
     assert "FLASHMLA" not in answer.backends
     if CacheConfig.DEFAULT_BLOCK_SIZE % 64 == 0:

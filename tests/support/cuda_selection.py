@@ -138,6 +138,27 @@ def plugin_registered(registered: bool):
                 register_backend(member, path)
 
 
+@contextlib.contextmanager
+def backends_overridden():
+    """The plugin's backend classes registered over vLLM's (and nothing else
+    of the plugin's touches), as vLLM's selector sees them in a process the
+    plugin loaded in; vLLM's registry restored on the way out."""
+    from vllm.v1.attention.backends.mla.dcp_vllm_touches import BACKEND_OVERRIDES
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    members = {AttentionBackendEnum[name]: path for name, path in BACKEND_OVERRIDES}
+    before = {m: m.get_path() if m.is_overridden() else None for m in members}
+    for member, path in members.items():
+        register_backend(member, path)
+    try:
+        yield
+    finally:
+        for member, path in before.items():
+            member.clear_override()
+            if path is not None:
+                register_backend(member, path)
+
+
 def select_mla_backend(vllm_config, major: int, *, non_causal: bool,
                        kv_cache_dtype: str = "auto", num_heads: int = 16,
                        layer_kv_cache_dtype: str | None = None):
@@ -212,7 +233,7 @@ def check_as_gpu(config, major: int, *, flashmla: bool = True) -> None:
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
     import_on_cpu(config)
-    with on_cuda_host(major, flashmla=flashmla), plugin_registered(True), \
+    with on_cuda_host(major, flashmla=flashmla), backends_overridden(), \
             mock.patch.object(dcp_startup_checks, "ASK_IN_CHILD_PROCESS", False):
         dcp_startup_checks.check_vllm_config(config)
 

@@ -515,8 +515,10 @@ def check_on_cuda(config, major: int) -> None:
     them there (``build_config`` left them out)."""
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
+    from tests.support.cuda_selection import backends_overridden
+
     with on_cuda_host(major) as cuda_platform, _startup_checks_on(cuda_platform), \
-            plugin_registered(True), \
+            backends_overridden(), \
             mock.patch.object(dcp_startup_checks, "ASK_IN_CHILD_PROCESS", False):
         cuda_platform.check_and_update_config(config)
 
