@@ -238,8 +238,10 @@ def test_cpu_dspark_draft_backend_checked(dspark_pair, monkeypatch, amx,
     monkeypatch.setenv("VLLM_DCP_CPU_MRV2", "1")
     model_dir, draft_dir = dspark_pair
     backend = {} if draft_backend is None else dict(attention_backend=draft_backend)
+    # CPU_MLA's block, which vLLM's CPU platform fixes (a GPU host's config
+    # would hold vLLM's default until a worker sets it).
     config = gpu_engine_config(model_dir, tp=2, dcp=2, max_model_len=2048,
-                               attention_backend="CPU_MLA",
+                               attention_backend="CPU_MLA", block_size=16,
                                speculative_config=dspark(draft_dir, 4, **backend))
     with cpu_with_amx() if amx else cpu_without_amx():
         if amx and draft_backend is None:
