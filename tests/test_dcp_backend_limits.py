@@ -59,13 +59,6 @@ def test_one_list_of_overridden_backends():
         assert _backend_class(name).__module__.endswith(MODULES[name])
 
 
-def test_tokenspeed_query_limit_is_the_launchers():
-    from tools import serve_dcp_dspark as serve
-
-    assert _backend_class("TOKENSPEED_MLA").dcp_max_query_len == \
-        serve.TOKENSPEED_MAX_QUERY_LEN
-
-
 class Limits:
     """A class's limits read off its hooks under DCP, as ``dcp_problems``
     reads them (the generated cases and the README's table)."""

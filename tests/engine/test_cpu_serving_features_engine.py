@@ -558,7 +558,7 @@ def dspark_server(workdir, markov_draft):
              "--enable-prefix-caching", "--enable-chunked-prefill",
              "--num-gpu-blocks-override", str(SERVE_KV_BLOCKS),
              "--scheduler-cls", QUALNAME]
-    assert serve.flag_problems(args, extra) == []
+    assert serve.launcher_problems(args) == []
     env = serve.cpu_server_env(2, dspark=True)
     env.update(PYTHONPATH=str(REPO), **{STEP_LOG_ENV: str(step_log)})
     server = serve.VllmServer(serve.launch_command(args, extra, None), port=port,

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A real ``vllm serve`` that refuses a DCP setting, through the launcher.
+"""A real ``vllm serve`` that vLLM accepts and that then dies, through the
+launcher.
 
-Without ``--cpu`` the launcher cannot know the KV block size, so interleave
-48 reaches the server: its start-up check (``dcp_startup_checks``, run while
-vLLM builds its config) refuses it before any engine starts, and the
-launcher prints that error and no traceback of its own.
+The command passes vLLM's config code and the plugin's start-up check (run
+by the launcher before the start, ``tests/test_serve_launcher.py``), but the
+checkpoint holds no weights: the workers fail at the weight load, and the
+launcher prints the server's own error line and no traceback of its own.
 """
 
 from __future__ import annotations
@@ -27,17 +28,14 @@ def test_real_vllm_serve_failure_is_reported(tmp_path, capsys):
     log = tmp_path / "server.log"
     t0 = time.monotonic()
     code = serve.main(["--model", str(model), "--tp", "2", "--dcp", "2",
-                       "--interleave", "48", "--port", str(serve.free_port()),
+                       "--interleave", "16", "--cpu", "--port", str(serve.free_port()),
                        "--ready-timeout", "300", "--log", str(log), "--",
-                       "--dtype", "float32", "--skip-tokenizer-init",
-                       # on a CPU with AMX tiles vLLM would pick AMX_MLA
-                       "--attention-backend", "CPU_MLA"])
+                       "--dtype", "float32", "--skip-tokenizer-init"])
     elapsed = time.monotonic() - t0
     assert code == 1
     err = capsys.readouterr().err
     assert "error: vLLM server exited with code 1 before it was healthy" in err
-    assert "CPU_MLA" in err and "--cp-kv-cache-interleave-size 48 must divide" in err
+    assert "Cannot find any model weights" in err, err
     assert "Traceback" not in err
     assert "Traceback" in log.read_text()  # the server's own, in its log
-    assert "Loading weights" not in log.read_text()  # refused before the model
     assert elapsed < 240
