@@ -77,8 +77,9 @@ class Limits:
         self.kernel_block_sizes = checks.kernel_block_sizes(cls)
         self.kv_cache_dtypes = tuple(cls.supported_kv_cache_dtypes)
         for attr in ("latent", "qk_nope_head_dims", "v_head_dims", "max_query_len",
-                     "dspark_interleave", "unquantized_on"):
+                     "unquantized_on"):
             setattr(self, attr, getattr(cls, f"dcp_{attr}"))
+        self.any_interleave = checks.spec_decodes_at_any_interleave(cls)
 
     def reads(self, kv: str, major: int) -> bool:
         return self.cls.dcp_reads(kv, major)
@@ -108,8 +109,7 @@ def knobs_of(limits: Limits, major: int, knob: str) -> tuple[dict, bool]:
         "kv-auto": (dict(base, kv="auto"), not limits.reads("auto", major)),
         "kv-fp8": (dict(base, kv="fp8"), not limits.reads("fp8", major)),
         "block": (dict(base, block=min(limits.kernel_block_sizes) // 2), True),
-        "interleave": (dict(base, interleave=16),
-                       limits.dspark_interleave not in (None, 16)),
+        "interleave": (dict(base, interleave=16), not limits.any_interleave),
         "draft-block": (dict(base, role="draft"), not limits.non_causal),
         "verify-over": (dict(base, k=limits.max_query_len or 7),
                         limits.max_query_len is not None),
@@ -177,7 +177,7 @@ def test_each_limit_refused_at_start_up_and_by_selection(models, limits, name, m
 # The README's table
 
 TABLE_HEADER = ("| backend under DCP | GPUs | KV cache | pages by (tokens) | DSpark "
-                "draft block | query tokens per request | interleave with DSpark | "
+                "draft block | query tokens per request | interleave with speculation | "
                 "latent, head dims |\n|---|---|---|---|---|---|---|---|")
 
 
@@ -202,7 +202,7 @@ def render_table(limits: dict[str, Limits]) -> str:
         rows.append(" | ".join([
             f"| `{name}`", gpus, kv, pages, "yes" if each.non_causal else "no",
             "any" if each.max_query_len is None else f"<= {each.max_query_len}",
-            "any" if each.dspark_interleave is None else str(each.dspark_interleave),
+            "any" if each.any_interleave else "1",
             dims]) + " |")
     return "\n".join(rows)
 

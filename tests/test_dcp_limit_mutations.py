@@ -7,12 +7,13 @@ setting just past it, naming a flag; with it loosened (the class attribute
 set to "no limit") the check accepts that setting, and what the workers run
 on it fails, raised outside the plugin's check modules:
 
-* ``FLASH_ATTN_MLA.dcp_dspark_interleave``: vLLM's own FlashAttention MLA
-  builder at start-up (its common MLA builder's DSpark x DCP check, in
-  ``recipe_start.start_config``, the start-up check left out);
 * ``TOKENSPEED_MLA.dcp_max_query_len``: Tokenspeed's decode kernel (the
   stand-in bound to ``tokenspeed_mla_decode``'s signature,
   ``kernel_stubs``) in a forward through vLLM's builder and ``forward_mqa``.
+
+(What vLLM's own code answers is no limit of the plugin's: FLASH_ATTN_MLA's
+interleave for speculative decoding is its impl's own attribute, which the
+start-up check asks vLLM's model runner about.)
 
 ``NOT_YET_SHOWN`` names every other limit on the classes and why no CPU test
 shows its consequence yet; ``test_every_limit_is_listed`` keeps the two
@@ -33,7 +34,7 @@ from tests.support import recipe_start as rs
 from tools import serve_dcp_dspark as serve
 
 LIMIT_ATTRS = ("dcp_latent", "dcp_qk_nope_head_dims", "dcp_v_head_dims",
-               "dcp_max_query_len", "dcp_dspark_interleave", "dcp_unquantized_on")
+               "dcp_max_query_len", "dcp_unquantized_on")
 # The plugin's modules that read the limits: a consequence raised there would
 # be the same record speaking again.
 CHECK_MODULES = ("dcp_config_checks.py", "dcp_startup_checks.py", "dcp_settings.py",
@@ -43,16 +44,6 @@ CHECK_MODULES = ("dcp_config_checks.py", "dcp_startup_checks.py", "dcp_settings.
 def _spec(k: int, **fields) -> str:
     return json.dumps({"method": "dspark", "model": "draft",
                        "num_speculative_tokens": k} | fields)
-
-
-def _flash_attn_start(tmp_path):
-    """vLLM's own start of FLASH_ATTN_MLA at interleave 16, the check left out."""
-    from tests.test_startup_variant_matrix import _vllm_alone
-
-    backends, error = _vllm_alone(ARGV["FLASH_ATTN_MLA.dcp_dspark_interleave"], 9,
-                                  rs.TINY, tmp_path / "alone")
-    if error is not None:
-        raise error
 
 
 def _tokenspeed_forward(tmp_path):
@@ -67,17 +58,12 @@ def _tokenspeed_forward(tmp_path):
 # (backend, limit) -> (GPU major, flags after the model, the flag the refusal
 # names, the consequence, where it is raised)
 SHOWN = {
-    ("FLASH_ATTN_MLA", "dcp_dspark_interleave"): (
-        9, "-tp 8 -dcp 8 --cp-kv-cache-interleave-size 16 --attention-backend "
-           f"FLASH_ATTN_MLA --speculative-config '{_spec(4)}'",
-        "--cp-kv-cache-interleave-size", _flash_attn_start, "mla_attention.py"),
     ("TOKENSPEED_MLA", "dcp_max_query_len"): (
         10, "-tp 8 -dcp 8 --kv-cache-dtype fp8 --attention-config "
             f"'{serve.SM100_FP8_PREFILL_ATTENTION_CONFIG}' --attention-backend "
             f"TOKENSPEED_MLA --speculative-config '{_spec(8)}'",
         "num_speculative_tokens", _tokenspeed_forward, "kernel_stubs.py"),
 }
-ARGV = {f"{name}.{attr}": shlex.split(case[1]) for (name, attr), case in SHOWN.items()}
 
 NOT_YET_SHOWN = {
     ("FLASHINFER_MLA", "dcp_unquantized_on"):

@@ -343,8 +343,8 @@ AGREEMENT_CASES = [
 WORKER_REFUSALS = {
     "sm90-fp8-skip-list": "FLASHINFER_MLA on sm90 reads a bf16/fp16 KV cache",
     "sm90-bf16-i16-flash-attn-named":
-        "FLASH_ATTN_MLA serves DSpark under decode context parallelism at "
-        "--cp-kv-cache-interleave-size 1 only",
+        "FLASH_ATTN_MLA decodes speculative tokens under decode context "
+        "parallelism at --cp-kv-cache-interleave-size 1 only",
     "sm90-fp8-flash-attn-named": "kv_cache_dtype not supported",
     "sm100-tokenspeed-target-verify-9": "decodes at most 8 query tokens per request",
     "sm100-tokenspeed-both-verify-9": "decodes at most 8 query tokens per request",
@@ -572,17 +572,40 @@ CP_CHECK_CASES = [
 ]
 
 
+def checks_module():
+    from vllm.v1.attention.backends.mla import dcp_config_checks
+
+    return dcp_config_checks
+
+
 @pytest.mark.parametrize("capability,refusal", CP_CHECK_CASES,
                          ids=[c[0] for c in CP_CHECK_CASES])
 def test_vllm_cp_check_reads_every_layer_impl(tmp_path, monkeypatch, capability,
                                               refusal):
-    """The recipe check runs vLLM's CP check on the impls the layers were
-    built with (target and draft, at Kimi-K3's shape): an impl without the
-    capability is refused with vLLM's message."""
+    """vLLM's CP check on the impls the layers were built with (target and
+    draft, at Kimi-K3's shape) refuses an impl without the capability with
+    vLLM's message; the start-up check, asking that same check of vLLM,
+    refuses it before load with vLLM's message and the flags to change."""
+    from vllm.v1.attention.backends.mla import dcp_startup_checks
     from vllm.v1.attention.backends.mla.flashmla_dcp_mla import FlashMLADCPImpl
 
     argv = shlex.split("-tp 8 -dcp 8 --cp-kv-cache-interleave-size 16 "
                        f"--speculative-config '{_spec()}'")
     monkeypatch.setattr(FlashMLADCPImpl, capability, False)
-    with pytest.raises(AssertionError, match=refusal):
-        rs.start_recipe(argv, 9, tmp_path, shape=rs.K3_LIKE)
+    if capability == "supports_mtp_with_cp_non_trivial_interleave_size":
+        # The plugin's selection hook reads it too: vLLM's order moves on.
+        start = rs.start_recipe(argv, 9, tmp_path / "moved-on", shape=rs.K3_LIKE)
+        assert "FLASHMLA" not in start.backends()
+        # Without that, FLASHMLA is picked and vLLM's runner refuses it.
+        asked = checks_module().spec_decodes_at_any_interleave
+        monkeypatch.setattr(checks_module(), "spec_decodes_at_any_interleave",
+                            lambda cls: cls.get_name() == "FLASHMLA" or asked(cls))
+    with pytest.raises(ValueError, match=refusal) as before_load:
+        rs.start_recipe(argv, 9, tmp_path / "checked", shape=rs.K3_LIKE)
+    assert "vLLM's model runner refuses FLASHMLA" in str(before_load.value)
+    assert "--cp-kv-cache-interleave-size" in str(before_load.value)
+    config = rs.recipe_config(argv, tmp_path / "alone", major=9, shape=rs.K3_LIKE)
+    with mock.patch.object(dcp_startup_checks, "check_vllm_config",
+                           lambda config: None), \
+            pytest.raises(AssertionError, match=refusal):
+        rs.start_config(config, 9)

@@ -1,32 +1,38 @@
 # SPDX-License-Identifier: Apache-2.0
 """The start-up check against vLLM's own start, row by row, over a generated
-matrix of ``vllm serve -tp 8 -dcp 8`` variants with a DSpark draft.
+matrix of ``vllm serve`` variants under DCP.
 
-The matrix (``VARIANTS``): sm90 and sm100; a bf16 or fp8 KV cache; the
-interleave 1 to 256; ``--block-size`` given (64, 256) or not; the draft's
-backend named (FLASHMLA or TOKENSPEED_MLA, FLASHINFER_MLA) or not; 4 or 8
-speculative tokens; a tiny Kimi-K3 pair whose KDA state is Kimi-K3's or
-Kimi-Linear's size (which changes vLLM's hybrid alignment). Each row is
+The matrix (``VARIANTS``): sm90 and sm100; ``-tp 8 -dcp 8`` and ``-tp 2 -dcp
+2``; a bf16, fp16 or fp32 model; a bf16 or fp8 KV cache; the interleave 1 to
+256; ``--block-size`` given (64, 256) or not; DSpark (the draft's backend
+named: FLASHMLA or TOKENSPEED_MLA, FLASHINFER_MLA; or not) or n-gram
+speculation; 4 or 8 speculative tokens; a tiny Kimi-K3 pair whose KDA state
+is Kimi-K3's or Kimi-Linear's size (which changes vLLM's hybrid alignment);
+on sm90 vLLM's wheel with or without FlashMLA's extension. Each row is
 judged twice: by the plugin's start-up check (``rs.check_on_cuda``), and by
 vLLM's own start with that check left out (``rs.start_config``: vLLM's model
 classes, its selector per layer, its block-size code, the engine core's KV
-set-up and ``validate_block_size``, every metadata builder). They agree when
+set-up and ``validate_block_size``, every metadata builder, the model
+runner's CP check). They agree when
 
-* accepted: vLLM starts, and no model on TRITON_MLA;
+* accepted: vLLM starts, on TRITON_MLA only where no ``--block-size``
+  starts a faster DCP backend (each tried in vLLM alone);
 * warned: vLLM starts, a model on TRITON_MLA (a ``--block-size`` was given);
 * refused: the error names a flag, and vLLM alone fails, or starts a model
   on TRITON_MLA where the refusal's ``--block-size N`` starts every model on
   a fast DCP backend; a ``--block-size N`` the refusal names is checked to
   pass the check and start.
 
-CI runs ``SAMPLED`` rows, a different sample per ``VLLM_DCP_MATRIX_SEED``;
-``VLLM_DCP_MATRIX_ROWS=all`` runs every row (docs/testing.md).
+CI runs ``SAMPLED`` rows (``VLLM_DCP_MATRIX_SEED`` picks them);
+``VLLM_DCP_MATRIX_ROWS=N`` runs N, ``all`` every row (docs/testing.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -49,41 +55,71 @@ FLAG = re.compile(r"--[a-z][a-z-]+|attention_backend in --speculative-config|"
 
 
 def _variants():
-    for major, kv, interleave, block, named, k, shape in itertools.product(
-            (9, 10), ("auto", "fp8"), (1, 16, 64, 128, 256), (None, 64, 256),
-            (None, 0, 1), (4, 8), sorted(SHAPES)):
+    for (major, (tp, dcp), dtype, kv, interleave, block, method, named, k, shape,
+         flashmla) in itertools.product(
+            (9, 10), ((8, 8), (2, 2)), ("bfloat16", "float16", "float32"),
+            ("auto", "fp8"), (1, 16, 64, 128, 256), (None, 64, 256),
+            ("dspark", "ngram"), (None, 0, 1), (4, 8), sorted(SHAPES), (True, False)):
+        if (method == "ngram" and named is not None) or (major == 10 and not flashmla):
+            continue  # n-gram has no draft; FlashMLA's extension serves sm90 only
         draft_backend = None if named is None else NAMED_DRAFT[major][named]
-        row_id = (f"sm{major}0-{kv}-i{interleave}-bs{block or 'auto'}-"
-                  f"{draft_backend or 'vllm'}-k{k}-{shape}")
-        yield row_id, major, kv, interleave, block, draft_backend, k, shape
+        row = Row(major, tp, dcp, dtype, kv, interleave, block, method,
+                  draft_backend, k, shape, flashmla)
+        yield row
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    major: int
+    tp: int
+    dcp: int
+    dtype: str
+    kv: str
+    interleave: int
+    block: int | None
+    method: str
+    draft_backend: str | None
+    k: int
+    shape: str
+    flashmla: bool
+
+    @property
+    def id(self) -> str:
+        return (f"sm{self.major}0-tp{self.tp}dcp{self.dcp}-{self.dtype}-{self.kv}-"
+                f"i{self.interleave}-bs{self.block or 'auto'}-{self.method}-"
+                f"{self.draft_backend or 'vllm'}-k{self.k}-{self.shape}"
+                + ("" if self.flashmla else "-no-flashmla"))
+
+    def argv(self) -> list[str]:
+        spec = {"method": self.method, "num_speculative_tokens": self.k}
+        if self.method == "ngram":
+            spec |= {"prompt_lookup_max": 3, "prompt_lookup_min": 2}
+        if self.draft_backend:
+            spec["attention_backend"] = self.draft_backend
+        flags = (f"-tp {self.tp} -dcp {self.dcp} --dtype {self.dtype} "
+                 f"--cp-kv-cache-interleave-size {self.interleave}")
+        if self.kv == "fp8":
+            flags += " --kv-cache-dtype fp8"
+        if self.kv == "fp8" and self.major == 10:  # Kimi-K3's prefill over fp8
+            flags += f" --attention-config '{SM100_PREFILL}'"
+        if self.block:
+            flags += f" --block-size {self.block}"
+        return shlex.split(flags) + ["--speculative-config", json.dumps(spec)]
 
 
 VARIANTS = list(_variants())
 SAMPLED = 10
 
 
-def _rows():
-    if os.environ.get("VLLM_DCP_MATRIX_ROWS") == "all":
+def _rows() -> list[Row]:
+    wanted = os.environ.get("VLLM_DCP_MATRIX_ROWS", str(SAMPLED))
+    if wanted == "all":
         return VARIANTS
     seed = int(os.environ.get("VLLM_DCP_MATRIX_SEED", "0"))
-    return random.Random(seed).sample(VARIANTS, SAMPLED)
+    return random.Random(seed).sample(VARIANTS, int(wanted))
 
 
-def _argv(major, kv, interleave, block, draft_backend, k) -> list[str]:
-    spec = {"method": "dspark", "model": "draft", "num_speculative_tokens": k}
-    if draft_backend:
-        spec["attention_backend"] = draft_backend
-    flags = f"-tp 8 -dcp 8 --cp-kv-cache-interleave-size {interleave}"
-    if kv == "fp8":
-        flags += " --kv-cache-dtype fp8"
-    if kv == "fp8" and major == 10:  # Kimi-K3's prefill over an fp8 cache there
-        flags += f" --attention-config '{SM100_PREFILL}'"
-    if block:
-        flags += f" --block-size {block}"
-    return shlex.split(flags) + ["--speculative-config", json.dumps(spec)]
-
-
-def _check(argv, major, shape, root):
+def _check(argv, major, shape, root, *, flashmla: bool = True):
     """The plugin's verdict: ("accept" | "warn" | "refuse", message)."""
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
@@ -92,25 +128,26 @@ def _check(argv, major, shape, root):
     with mock.patch.object(dcp_startup_checks.logger, "warning_once",
                            lambda message, *args, **kwargs: warnings.append(message)):
         try:
-            rs.check_on_cuda(config, major)
+            rs.check_on_cuda(config, major, flashmla=flashmla)
         except ValueError as refusal:
             return "refuse", str(refusal)
     return ("warn", warnings[0]) if warnings else ("accept", None)
 
 
-def _vllm_alone(argv, major, shape, root):
+def _vllm_alone(argv, major, shape, root, *, flashmla: bool = True):
     """vLLM's own start, the plugin's start-up check left out: the backends
-    of (target, draft), or the error it fails with."""
+    of the MLA layers (the target's, then the draft's), or the error it
+    fails with."""
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
     config = rs.recipe_config(argv, root, major=major, shape=shape)
     with mock.patch.object(dcp_startup_checks, "check_vllm_config",
                            lambda config: None):
         try:
-            start = rs.start_config(config, major)
+            start = rs.start_config(config, major, flashmla=flashmla)
         except (ValueError, AssertionError, RuntimeError, NotImplementedError) as error:
             return None, error
-    return (start.role(False)[0], start.role(True)[0]), None
+    return start.backends(), None
 
 
 def _with_block_size(argv, block_size):
@@ -121,28 +158,40 @@ def _with_block_size(argv, block_size):
     return argv + ["--block-size", str(block_size)]
 
 
-@pytest.mark.parametrize("row", _rows(), ids=lambda row: row[0])
+@pytest.mark.parametrize("row", _rows(), ids=lambda row: row.id)
 def test_check_agrees_with_vllms_own_start(tmp_path, row):
-    row_id, major, kv, interleave, block, draft_backend, k, shape_name = row
-    shape = SHAPES[shape_name]
-    argv = _argv(major, kv, interleave, block, draft_backend, k)
-    decision, message = _check(argv, major, shape, tmp_path / "check")
-    backends, error = _vllm_alone(argv, major, shape, tmp_path / "alone")
+    shape, argv = SHAPES[row.shape], row.argv()
+    decision, message = _check(argv, row.major, shape, tmp_path / "check",
+                               flashmla=row.flashmla)
+    backends, error = _vllm_alone(argv, row.major, shape, tmp_path / "alone",
+                                  flashmla=row.flashmla)
     seen = f"check: {decision} {message}\nvLLM alone: {backends} {error!r}"
     if decision == "accept":
-        assert backends is not None and FALLBACK not in backends, seen
+        assert backends is not None, seen
+        if FALLBACK in backends:  # then no --block-size starts a fast backend
+            for size in sorted({math.lcm(row.interleave, size)
+                                for size in (16, 32, 64, 128, 256)}):
+                sized, _ = _vllm_alone(_with_block_size(argv, size), row.major, shape,
+                                       tmp_path / f"alone-{size}",
+                                       flashmla=row.flashmla)
+                assert sized is None or FALLBACK in sized, (
+                    f"{seen}\nwith --block-size {size}: {sized}")
         return
     if decision == "warn":
-        assert block is not None and backends is not None and FALLBACK in backends, seen
+        assert row.block is not None and backends is not None, seen
+        assert FALLBACK in backends, seen
         return
     assert FLAG.search(message), seen
     fix = re.search(r"Pass --block-size (\d+)", message)
     assert backends is None or (FALLBACK in backends and fix), seen
     if fix:
         fixed = _with_block_size(argv, int(fix.group(1)))
-        assert _check(fixed, major, shape, tmp_path / "fixed")[0] == "accept", seen
-        fixed_backends, fixed_error = _vllm_alone(fixed, major, shape,
-                                                  tmp_path / "fixed-alone")
+        verdict = _check(fixed, row.major, shape, tmp_path / "fixed",
+                         flashmla=row.flashmla)
+        assert verdict[0] == "accept", f"{seen}\nwith the fix: {verdict}"
+        fixed_backends, fixed_error = _vllm_alone(fixed, row.major, shape,
+                                                  tmp_path / "fixed-alone",
+                                                  flashmla=row.flashmla)
         assert fixed_backends is not None and FALLBACK not in fixed_backends, (
             f"{seen}\nwith --block-size {fix.group(1)}: {fixed_backends} "
             f"{fixed_error!r}")
@@ -151,9 +200,14 @@ def test_check_agrees_with_vllms_own_start(tmp_path, row):
 def test_the_matrix_spans_every_dimension():
     """Every value of every dimension is in the matrix, and the sample is
     drawn from it."""
-    assert len(VARIANTS) == 2 * 2 * 5 * 3 * 3 * 2 * 2
-    for column, values in ((1, {9, 10}), (2, {"auto", "fp8"}),
-                           (3, {1, 16, 64, 128, 256}), (4, {None, 64, 256}),
-                           (7, set(SHAPES))):
-        assert {row[column] for row in VARIANTS} == values
+    spans = {field.name: {getattr(row, field.name) for row in VARIANTS}
+             for field in dataclasses.fields(Row)}
+    assert spans == {
+        "major": {9, 10}, "tp": {8, 2}, "dcp": {8, 2},
+        "dtype": {"bfloat16", "float16", "float32"}, "kv": {"auto", "fp8"},
+        "interleave": {1, 16, 64, 128, 256}, "block": {None, 64, 256},
+        "method": {"dspark", "ngram"},
+        "draft_backend": {None, "FLASHMLA", "TOKENSPEED_MLA", "FLASHINFER_MLA"},
+        "k": {4, 8}, "shape": set(SHAPES), "flashmla": {True, False}}
+    assert len(set(VARIANTS)) == len(VARIANTS)
     assert set(_rows()) <= set(VARIANTS)

@@ -201,7 +201,7 @@ def engine_flags(args, target: Path, draft: Path, *, dcp: int | None = None,
     flags = {name: value for name, value in vars(args).items()
              if value != getattr(defaults, name) and name != "model"}
     spec = dict(flags.get("speculative_config") or {})
-    if spec:
+    if spec and spec.get("method") != "ngram":  # n-gram has no draft model
         spec["model"] = str(draft)
         flags["speculative_config"] = spec
     skipped = flags.get("kv_cache_dtype_skip_layers")
@@ -250,6 +250,12 @@ class RecipeStart:
     cudagraph_requested: object = None
     cudagraph_modes: tuple = (None, None)
     cudagraph_support: tuple = (None, None)
+
+    def backends(self) -> tuple[str, ...]:
+        """The backends of the target's MLA layers, then the draft's."""
+        return tuple(dict.fromkeys(
+            layer.backend for draft in (False, True)
+            for layer in self.layers.values() if layer.draft == draft))
 
     def role(self, draft: bool) -> tuple[str, str]:
         """(backend, KV dtype) of the target's (or draft's) layers; one pair."""
@@ -410,9 +416,11 @@ def _builders_by_layer(attn_groups) -> dict[str, object]:
             for group in groups for name in group.layer_names}
 
 
-def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
+def start_config(config, major: int, *, plugin: bool = True,
+                 flashmla: bool = True) -> RecipeStart:
     """Steps 2 and 3 on ``config`` (see the module docstring), with the
-    plugin's backend overrides (``plugin``) or vLLM's own backends."""
+    plugin's backend overrides (``plugin``) or vLLM's own backends;
+    ``flashmla``: vLLM's wheel built with FlashMLA's extension."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -430,7 +438,8 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
 
     # vLLM caches each RoPE it builds (``get_rope``): the meta-device ones
     # built here must not serve a later model of this process.
-    with plugin_registered(plugin), on_cuda_host(major) as cuda_platform, \
+    with plugin_registered(plugin), \
+            on_cuda_host(major, flashmla=flashmla) as cuda_platform, \
             mock.patch.dict(rotary_embedding._ROPE_DICT), \
             mock.patch.dict(os.environ, _ENVIRONMENTS.get(id(config), {})), \
             _worker_rank(cuda_platform, parallel.tensor_parallel_size,
@@ -439,8 +448,8 @@ def start_config(config, major: int, *, plugin: bool = True) -> RecipeStart:
             torch.device("meta"):
         target = initialize_model(config)
         num_target_layers = len(config.compilation_config.static_forward_context)
-        if config.speculative_config is not None:
-            assert config.speculative_config.method == "dspark"
+        spec = config.speculative_config
+        if spec is not None and spec.method == "dspark":
             with mock.patch("vllm.model_executor.model_loader.get_model", get_model):
                 load_dspark_model(target, config)
         draft_layers = set(list(config.compilation_config.static_forward_context)
@@ -509,16 +518,17 @@ def recipe_config(argv, root: Path, *, major: int, dcp: int | None = None,
     return build_config(flags, target, major)
 
 
-def check_on_cuda(config, major: int) -> None:
+def check_on_cuda(config, major: int, *, flashmla: bool = True) -> None:
     """The CUDA platform's config hook on ``config`` as on an sm``major``0
     GPU, the plugin's start-up checks appended to it as the plugin installs
-    them there (``build_config`` left them out)."""
+    them there (``build_config`` left them out); ``flashmla``: vLLM's wheel
+    built with FlashMLA's extension."""
     from vllm.v1.attention.backends.mla import dcp_startup_checks
 
     from tests.support.cuda_selection import backends_overridden
 
-    with on_cuda_host(major) as cuda_platform, _startup_checks_on(cuda_platform), \
-            backends_overridden(), \
+    with on_cuda_host(major, flashmla=flashmla) as cuda_platform, \
+            _startup_checks_on(cuda_platform), backends_overridden(), \
             mock.patch.object(dcp_startup_checks, "ASK_IN_CHILD_PROCESS", False):
         cuda_platform.check_and_update_config(config)
 

@@ -9,7 +9,9 @@ FLASHMLA keeps to sm90 there), ``supported_kv_cache_dtypes``,
 ``get_supported_kernel_block_sizes`` / ``supports_block_size``,
 ``supports_non_causal_dcp``. What vLLM has no hook for is a class attribute
 of its own module (``dcp_*``: interleave, query length, head dims, the GPUs
-where it reads an unquantized cache only). ``DCPLimits.dcp_problems`` turns
+where it reads an unquantized cache only). vLLM's impl attributes answer for
+the impl (``supports_mtp_with_cp_non_trivial_interleave_size``: speculative
+decoding at an interleave above 1). ``DCPLimits.dcp_problems`` turns
 a ``DCPSetting`` into ``ValueError`` lines naming the flag to change, from
 those hooks alone; vLLM's selection (``DCPSelection``), the builders
 (``raise_if_unsupported``), the start-up check and the README's backend
@@ -48,6 +50,12 @@ def fixed_block_size(cls) -> int | None:
     return None
 
 
+def spec_decodes_at_any_interleave(cls) -> bool:
+    """vLLM's own answer (its model runner's CP check reads it): whether the
+    impl of ``cls`` decodes speculative tokens at an interleave above 1."""
+    return cls.get_impl_cls().supports_mtp_with_cp_non_trivial_interleave_size
+
+
 def gpu_majors(cls) -> tuple[int, ...]:
     """The GPU generations vLLM's ``supports_compute_capability`` of ``cls``
     accepts (under the current config's DCP size)."""
@@ -66,7 +74,6 @@ class DCPLimits:
     dcp_qk_nope_head_dims: ClassVar[tuple[int, ...] | None] = None
     dcp_v_head_dims: ClassVar[tuple[int, ...] | None] = None
     dcp_max_query_len: ClassVar[int | None] = None  # query tokens per request
-    dcp_dspark_interleave: ClassVar[int | None] = None  # the only one with DSpark
     dcp_unquantized_on: ClassVar[tuple[int, ...]] = ()  # GPU majors: bf16/fp16 KV only
 
     @classmethod
@@ -115,14 +122,14 @@ class DCPLimits:
                 f"{name} has no non-causal attention for the DSpark draft's block "
                 f"under DCP: name {_alternatives(s, name)} in {flag}, or leave it "
                 "out.")
-        elif (dspark and cls.dcp_dspark_interleave is not None
-              and s.interleave != cls.dcp_dspark_interleave):
+        if (s.num_speculative_tokens and s.dcp_size > 1 and s.interleave > 1
+                and not spec_decodes_at_any_interleave(cls)):
             found.append(
-                f"{name} serves DSpark under decode context parallelism at "
-                f"--cp-kv-cache-interleave-size {cls.dcp_dspark_interleave} only, "
-                f"not {s.interleave}: use --cp-kv-cache-interleave-size "
-                f"{cls.dcp_dspark_interleave}, or leave {flag} out (vLLM then picks "
-                "a backend that serves this interleave).")
+                f"{name} decodes speculative tokens under decode context "
+                f"parallelism at --cp-kv-cache-interleave-size 1 only, not "
+                f"{s.interleave} (vLLM's model runner refuses its impl): use "
+                f"--cp-kv-cache-interleave-size 1, or leave {flag} out (vLLM then "
+                "picks a backend that serves this interleave).")
         limit = cls.dcp_max_query_len
         if limit is not None and s.max_decode_query_len > limit:
             found.append(

@@ -89,7 +89,7 @@ def _serves(vllm_config, gpu_major) -> vllm_answer.VllmAnswer | None:
     """vLLM's answer for ``vllm_config`` if it starts with no DCP problem."""
     answer = vllm_answer.ask_vllm(vllm_config)
     if (any(layer.refusal for layer in answer.layers) or answer.block_refusal
-            or _dcp_problems(vllm_config, answer, gpu_major)):
+            or answer.cp_refusal or _dcp_problems(vllm_config, answer, gpu_major)):
         return None
     return answer
 
@@ -126,12 +126,16 @@ def judge(vllm_config, gpu_major: int | None) -> Verdict:
     problems = _dcp_problems(vllm_config, answer, gpu_major)
     if answer.block_refusal:
         problems.insert(0, _block_refused(vllm_config, answer))
+    if answer.cp_refusal:
+        problems.insert(0, _cp_refused(answer))
     fell = [layer for layer in answer.layers
             if layer.backend == FALLBACK and layer.named is None]
     if not problems and not fell:
         return Verdict()
     found = _working_block_size(vllm_config, gpu_major)
     fix = _fix(found)
+    if problems and not fix and answer.cp_refusal:
+        fix = _fix_interleave(vllm_config, gpu_major)
     if problems:
         picks = ", ".join(f"{layer.backend} for {_layers(layer)}"
                           for layer in answer.layers)
@@ -149,6 +153,25 @@ def judge(vllm_config, gpu_major: int | None) -> Verdict:
                    f"{block_size}.{fix}")
 
 
+def _cp_refused(answer: vllm_answer.VllmAnswer) -> str:
+    return (f"vLLM's model runner refuses {' and '.join(answer.backends)} under "
+            f"decode context parallelism ({answer.cp_refusal}): change "
+            f"--cp-kv-cache-interleave-size, or name another backend in "
+            f"{checks.TARGET_FLAG} (or {checks.DRAFT_FLAG}).")
+
+
+def _fix_interleave(vllm_config, gpu_major) -> str:
+    """Interleave 1, where vLLM then starts every model with no DCP problem."""
+    config = copy.copy(vllm_config)
+    config.parallel_config = copy.copy(vllm_config.parallel_config)
+    config.parallel_config.cp_kv_cache_interleave_size = 1
+    answer = _serves(config, gpu_major)
+    if answer is None:
+        return ""
+    return (" Pass --cp-kv-cache-interleave-size 1: vLLM then runs them on "
+            f"{' and '.join(answer.backends)}.")
+
+
 def _block_refused(vllm_config, answer: vllm_answer.VllmAnswer) -> str:
     interleave = vllm_config.parallel_config.cp_kv_cache_interleave_size
     return (f"vLLM pages {' and '.join(answer.backends)} by a block size that "
@@ -159,48 +182,70 @@ def _block_refused(vllm_config, answer: vllm_answer.VllmAnswer) -> str:
 
 def _selection_refused(vllm_config, layer, gpu_major) -> str:
     """vLLM's selector refused ``layer``'s: its reasons, and the flag whose
-    change makes vLLM serve them (asked again)."""
+    change makes vLLM serve them (asked again); the changes together where
+    no one of them does."""
     chosen = f" ({layer.named}, named by {layer.flag})" if layer.named else ""
     message = (f"vLLM finds no MLA attention backend{chosen} for {_layers(layer)} "
                f"under decode context parallelism: {layer.refusal}")
-    changes = [change for change, changed in _selection_variants(vllm_config, layer)
-               if _serves(changed, gpu_major) is not None]
-    return message + "".join(f"\nTo serve them: {'; or '.join(changes)}."
-                             for _ in changes[:1])
+    variants = list(_selection_variants(vllm_config, layer))
+    changes = [change for change, apply in variants
+               if _serves(apply(vllm_config), gpu_major) is not None]
+    if not changes and len(variants) > 1:
+        together = vllm_config
+        for _, apply in variants:
+            together = apply(together)
+        if _serves(together, gpu_major) is not None:
+            changes = [" and ".join(change for change, _ in variants)]
+    if changes:
+        return message + f"\nTo serve them: {'; or '.join(changes)}."
+    # No change serves whole: name the ones vLLM's selector then takes.
+    selected = [change for change, apply in variants if not any(
+        other.refusal for other in vllm_answer.ask_vllm(apply(vllm_config)).layers
+        if other.draft == layer.draft)]
+    return message + "".join(
+        f"\nvLLM selects a backend for them if you {'; or '.join(selected)} "
+        "(this check then judges the rest)." for _ in selected[:1])
 
 
 def _selection_variants(vllm_config, layer):
-    """(the change, the config with it) to try for a refused ``layer``."""
+    """(the change, a function making a copy of a config with it) to try for
+    a refused ``layer``."""
     import torch
 
     model = (vllm_config.speculative_config.draft_model_config if layer.draft
              else vllm_config.model_config)
     if model.dtype not in (torch.bfloat16, torch.float16):
-        changed = copy.copy(vllm_config)
-        changed.model_config = copy.copy(vllm_config.model_config)
-        changed.model_config.dtype = torch.bfloat16
-        if vllm_config.speculative_config is not None:
-            spec = changed.speculative_config = copy.copy(vllm_config.speculative_config)
-            if spec.draft_model_config is not None:
-                spec.draft_model_config = copy.copy(spec.draft_model_config)
-                spec.draft_model_config.dtype = torch.bfloat16
-        yield "pass --dtype bfloat16", changed
+        def bf16(config):
+            changed = copy.copy(config)
+            changed.model_config = copy.copy(config.model_config)
+            changed.model_config.dtype = torch.bfloat16
+            if config.speculative_config is not None:
+                spec = changed.speculative_config = copy.copy(config.speculative_config)
+                if spec.draft_model_config is not None:
+                    spec.draft_model_config = copy.copy(spec.draft_model_config)
+                    spec.draft_model_config.dtype = torch.bfloat16
+            return changed
+        yield "pass --dtype bfloat16", bf16
     if layer.named:
-        changed = copy.copy(vllm_config)
-        if layer.draft:
-            changed.speculative_config = copy.copy(vllm_config.speculative_config)
-            changed.speculative_config.attention_backend = None
-        else:
-            changed.attention_config = copy.copy(vllm_config.attention_config)
-            changed.attention_config.backend = None
-        yield f"leave {layer.flag} out for vLLM's choice", changed
+        def unnamed(config):
+            changed = copy.copy(config)
+            if layer.draft:
+                changed.speculative_config = copy.copy(config.speculative_config)
+                changed.speculative_config.attention_backend = None
+            else:
+                changed.attention_config = copy.copy(config.attention_config)
+                changed.attention_config.backend = None
+            return changed
+        yield f"leave {layer.flag} out for vLLM's choice", unnamed
     cache = vllm_config.cache_config
     if cache.user_specified_block_size:
-        changed = copy.copy(vllm_config)
-        changed.cache_config = copy.deepcopy(cache)
-        changed.cache_config.block_size = type(cache).DEFAULT_BLOCK_SIZE
-        changed.cache_config.user_specified_block_size = False
-        yield f"leave --block-size {cache.block_size} out for vLLM's choice", changed
+        def default_block(config):
+            changed = copy.copy(config)
+            changed.cache_config = copy.deepcopy(config.cache_config)
+            changed.cache_config.block_size = type(cache).DEFAULT_BLOCK_SIZE
+            changed.cache_config.user_specified_block_size = False
+            return changed
+        yield f"leave --block-size {cache.block_size} out for vLLM's choice", default_block
 
 
 def _check_cuda(vllm_config, gpu_major: int | None) -> None:

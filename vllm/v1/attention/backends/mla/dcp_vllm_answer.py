@@ -18,7 +18,10 @@ model's (DSpark, MTP, EAGLE, a draft model), per KV-cache dtype among them:
   alignment to a recurrent state's page, ``--kv-cache-dtype-skip-layers``)
   over stand-in layers that answer with the selected backends, then the
   config's ``validate_block_size`` (DCP's interleave against it), on a copy
-  of the cache config.
+  of the cache config;
+* what the model runner's ``check_attention_cp_compatibility`` says of the
+  selected backends' impls (speculative decoding at an interleave above 1,
+  the LSE DCP's combine needs), over the same stand-in layers.
 
 On a GPU the question runs in a spawned child process (``ask_in_child``):
 vLLM's selector imports the backend modules it tries, and some allocate on
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from vllm.v1.attention.backends.mla.dcp_config_checks import DRAFT_FLAG, TARGET_FLAG
@@ -57,6 +61,7 @@ class VllmAnswer:
     layers: tuple[LayersAnswer, ...]
     block_size: int | None  # None: no pick, or vLLM refused the block size
     block_refusal: str | None = None  # vLLM's error on the block size
+    cp_refusal: str | None = None  # vLLM's model runner's, on the picked impls
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -159,18 +164,24 @@ def _layer_groups(vllm_config):
                DRAFT_FLAG)
 
 
-def _paged_block_size(vllm_config, backend_names) -> tuple[int | None, str | None]:
-    """The block size vLLM's own code pages layers of ``backend_names`` with,
-    on a copy of the cache config; or (None, vLLM's error)."""
+@functools.cache
+def _selected_layer_cls() -> type:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    class _SelectedLayer(AttentionLayerBase):
-        """A layer as ``update_block_size_for_backend`` sees it."""
+    class SelectedLayer(AttentionLayerBase):
+        """An MLA layer of a selected backend, as vLLM's block-size code and
+        its model runner's CP check see it: its backend, and an impl made
+        without ``__init__`` whose DCP size is the config's (vLLM's
+        ``__new__`` reads it from the DCP group, which does not exist before
+        the workers start)."""
 
-        def __init__(self, backend):
+        def __init__(self, backend, dcp_size: int):
             self.backend = backend
+            impl_cls = backend.get_impl_cls()
+            self.impl = object.__new__(impl_cls)
+            self.impl.dcp_world_size = dcp_size
+            self.impl.need_to_return_lse_for_decode = (
+                dcp_size > 1 and impl_cls.can_return_lse_for_decode)
 
         def get_attn_backend(self):
             return self.backend
@@ -178,18 +189,47 @@ def _paged_block_size(vllm_config, backend_names) -> tuple[int | None, str | Non
         def get_kv_cache_spec(self, vllm_config):
             return None
 
+    return SelectedLayer
+
+
+def _probe(vllm_config, backend_names):
+    """A copy of ``vllm_config`` whose layers are stand-ins of
+    ``backend_names``' layers, its cache config a copy too."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    layer_cls = _selected_layer_cls()
+    dcp_size = vllm_config.parallel_config.decode_context_parallel_size
     probe = copy.copy(vllm_config)
     probe.cache_config = copy.deepcopy(vllm_config.cache_config)
     probe.compilation_config = copy.copy(vllm_config.compilation_config)
     probe.compilation_config.static_forward_context = {
-        f"dcp_probe.{i}": _SelectedLayer(AttentionBackendEnum[name].get_class())
+        f"dcp_probe.{i}": layer_cls(AttentionBackendEnum[name].get_class(), dcp_size)
         for i, name in enumerate(backend_names)}
+    return probe
+
+
+def _paged_block_size(probe) -> tuple[int | None, str | None]:
+    """The block size vLLM's own code pages the probe's layers with; or
+    (None, vLLM's error)."""
+    from vllm.platforms import current_platform
+
     try:
         current_platform.update_block_size_for_backend(probe)
         probe.validate_block_size()
     except (AssertionError, ValueError) as error:
         return None, str(error)
     return probe.cache_config.block_size, None
+
+
+def _cp_refusal(probe) -> str | None:
+    """vLLM's model runner's CP check on the probe's layers, or None."""
+    from vllm.v1.worker.cp_utils import check_attention_cp_compatibility
+
+    try:
+        check_attention_cp_compatibility(probe)
+    except AssertionError as error:
+        return str(error)
+    return None
 
 
 def ask_vllm(vllm_config) -> VllmAnswer:
@@ -207,8 +247,10 @@ def ask_vllm(vllm_config) -> VllmAnswer:
     answer = VllmAnswer(tuple(layers), None)
     if any(layer.refusal for layer in layers):
         return answer
-    block_size, refusal = _paged_block_size(vllm_config, answer.backends)
-    return dataclasses.replace(answer, block_size=block_size, block_refusal=refusal)
+    probe = _probe(vllm_config, answer.backends)
+    block_size, refusal = _paged_block_size(probe)
+    return dataclasses.replace(answer, block_size=block_size, block_refusal=refusal,
+                               cp_refusal=_cp_refusal(probe))
 
 
 def with_block_size(vllm_config, block_size: int):

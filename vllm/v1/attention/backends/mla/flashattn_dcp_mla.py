@@ -1,18 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM's FLASH_ATTN_MLA, not selectable where its builder would refuse.
+"""vLLM's FLASH_ATTN_MLA, not selectable where vLLM's own code would refuse it.
 
-vLLM's ``FlashAttnMLAMetadataBuilder`` serves DSpark's multi-token queries
-under decode context parallelism only at ``--cp-kv-cache-interleave-size`` 1
-(``supports_dcp_with_varlen``): at a larger interleave it raises in every
-worker, at model load, after vLLM's Hopper order already picked it for the
-target (selection does not look at DSpark x DCP). Registered over
-``FLASH_ATTN_MLA`` by the plugin, this backend declares that limit
-(``dcp_dspark_interleave``), which its selection hook (``DCPSelection``)
-answers under DCP, so vLLM's selector moves on to the next backend of its
-order, one that serves the interleave; a named ``--attention-backend
-FLASH_ATTN_MLA`` is refused by the start-up checks naming the flag.
-Everything else, and everything at DCP size 1, is vLLM's own class and
-answer.
+vLLM's ``FlashAttnMLAImpl`` decodes speculative tokens under decode context
+parallelism only at ``--cp-kv-cache-interleave-size`` 1 (its
+``supports_mtp_with_cp_non_trivial_interleave_size`` is False; its builder
+also refuses DSpark's multi-token queries above 1): at a larger interleave
+the model runner asserts in every worker, at model load, after vLLM's
+Hopper order already picked it (selection does not look at the impl).
+Registered over ``FLASH_ATTN_MLA`` by the plugin, this backend's selection
+hook (``DCPSelection``) reads that impl attribute under DCP, so vLLM's
+selector moves on to the next backend of its order, one that serves the
+interleave; a named ``--attention-backend FLASH_ATTN_MLA`` is refused by the
+start-up checks naming the flag. Everything else, and everything at DCP
+size 1, is vLLM's own class and answer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLABackend
 
 
 class FlashAttnDCPMLABackend(checks.DCPSelection, FlashAttnMLABackend):
-    """``FLASH_ATTN_MLA`` that declines DSpark x DCP at interleave > 1."""
+    """``FLASH_ATTN_MLA`` that declines speculative decoding under DCP at an
+    interleave above 1."""
 
     dcp_latent: ClassVar[None] = None
-    dcp_dspark_interleave: ClassVar[int] = 1
