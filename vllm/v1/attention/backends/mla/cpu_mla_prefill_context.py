@@ -109,22 +109,26 @@ def left_off_because(vllm_config) -> str | None:
     on a KV cache dtype the backend declares. Never raises: a model this
     patch does not serve (no ``kv_lora_rank``, sparse MLA) or a probe that
     fails leaves the CPU platform's choice."""
-    from vllm.v1.attention.backends.mla.dcp_startup_checks import (
-        cpu_mla_backend_cls,
+    from vllm.v1.attention.backends.mla.dcp_vllm_answer import (
         dense_mla_latent,
+        select_backend,
     )
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     if dense_mla_latent(vllm_config.model_config) is None:
         return "not dense latent MLA"
     if not context_gathers_present():
         return "this vLLM lacks the context gathers"
     try:
-        backend_cls = cpu_mla_backend_cls(vllm_config,
-                                          vllm_config.attention_config.backend)
+        name, refusal = select_backend(vllm_config, vllm_config.model_config,
+                                       str(vllm_config.cache_config.cache_dtype))
     except Exception as error:  # vLLM's own start reports it, not this hook
-        return f"the backend probe failed ({error})"
-    if backend_cls.get_name() != "CPU_MLA":
-        return f"vLLM runs {backend_cls.get_name()}, not CPU_MLA"
+        name, refusal = None, str(error)
+    if name is None:
+        return f"the backend probe failed ({refusal})"
+    if name != "CPU_MLA":
+        return f"vLLM runs {name}, not CPU_MLA"
+    backend_cls = AttentionBackendEnum[name].get_class()
     cache_dtype = vllm_config.cache_config.cache_dtype
     if not backend_cls.supports_kv_cache_dtype(cache_dtype):
         return (f"CPU_MLA serves --kv-cache-dtype "

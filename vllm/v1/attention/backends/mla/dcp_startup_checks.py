@@ -36,11 +36,10 @@ from vllm.v1.attention.backends.mla import dcp_config_checks as checks
 from vllm.v1.attention.backends.mla import dcp_vllm_answer as vllm_answer
 from vllm.v1.attention.backends.mla import k3_fp8_prefill
 from vllm.v1.attention.backends.mla.dcp_settings import DCPSetting
-from vllm.v1.attention.backends.mla.dcp_vllm_answer import dense_mla_latent
 
 logger = init_logger(__name__)
 
-__all__ = ["check_vllm_config", "dense_mla_latent", "install", "judge"]
+__all__ = ["check_vllm_config", "install", "judge"]
 
 _MARK = "_dcp_dspark_startup_checks"
 FALLBACK = checks.FALLBACK
@@ -297,58 +296,28 @@ def _judge_with_plugins(vllm_config, gpu_major: int | None) -> Verdict:
 
 
 def _check_cpu(vllm_config) -> None:
-    """CPU: the backend vLLM's own selector picks (CPU_MLA, or AMX_MLA on
-    CPUs with AMX tiles unless CPU_MLA is named), for the target and a
-    DSpark draft (whose layers take the speculative config's
-    attention_backend, but for DeepSeek-V4 drafts)."""
-    spec = vllm_config.speculative_config
-    target = vllm_config.attention_config.backend
-    choices = [(target, False, checks.TARGET_FLAG)]
-    if spec is not None and spec.method == "dspark":
-        draft, flag = spec.attention_backend, checks.DRAFT_FLAG
-        draft_hf = getattr(spec.draft_model_config, "hf_config", None)
-        if draft is None and getattr(draft_hf, "model_type", None) in (
-                "deepseek_v4", "deepseek_v41"):
-            draft, flag = target, checks.TARGET_FLAG
-        choices.append((draft, True, flag))
-    for backend, draft, flag in choices:
-        name = cpu_mla_backend_cls(vllm_config, backend).get_name()
-        chosen_by = flag if backend is not None else "vLLM on this CPU"
-        if name not in checks.plugin_backend_names():  # AMX_MLA on a CPU with AMX
+    """CPU: the backends vLLM's own selector picks (``dcp_vllm_answer``:
+    CPU_MLA, or AMX_MLA on CPUs with AMX tiles unless CPU_MLA is named) for
+    the target's and a draft's layers, judged by the plugin's CPU_MLA; the
+    block size is the one vLLM's CPU platform fixes."""
+    for layer in vllm_answer.ask_vllm(vllm_config).layers:
+        if layer.refusal:
+            raise ValueError(layer.refusal)
+        if layer.backend not in checks.plugin_backend_names():  # AMX_MLA
             layers, fix = (
                 ("the DSpark draft's layers",
                  'add "attention_backend": "CPU_MLA" to --speculative-config')
-                if draft else ("this model", "pass --attention-backend CPU_MLA"))
-            picked = f"picks {name}" if backend is None else f"runs {name} ({flag})"
+                if layer.draft else ("this model", "pass --attention-backend CPU_MLA"))
+            picked = (f"runs {layer.backend} ({layer.flag})" if layer.named
+                      else f"picks {layer.backend}")
             raise ValueError(f"vLLM {picked} for {layers} on this CPU, which has "
                              f"no decode context parallelism: {fix}.")
+        setting = dataclasses.replace(
+            DCPSetting.from_vllm_config(vllm_config, None, draft=layer.draft),
+            kv_cache_dtype=layer.kv_cache_dtype)
         checks.raise_if_unsupported(
-            checks.plugin_backend(name), DCPSetting.from_vllm_config(vllm_config, None, draft=draft),
-            chosen_by=chosen_by)
-
-
-def cpu_mla_backend_cls(vllm_config, backend):
-    """The MLA backend class vLLM's own selector picks on this CPU for
-    layers configured with ``backend`` (None: vLLM's choice); a model that
-    is not dense latent MLA is asked for as vLLM's layers ask (its head
-    size, ``use_sparse``), so vLLM's own answer (or refusal) stands."""
-    from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.selector import get_attn_backend
-
-    model = vllm_config.model_config
-    latent = dense_mla_latent(model)
-    head_size = sum(latent) if latent is not None else model.get_head_size()
-    attention = vllm_config.attention_config
-    saved, attention.backend = attention.backend, backend
-    try:
-        with set_current_vllm_config(vllm_config):
-            backend_cls = get_attn_backend(
-                head_size, model.dtype,
-                vllm_config.cache_config.cache_dtype, use_mla=True,
-                use_sparse=vllm_answer._sparse_mla(model.hf_text_config))
-    finally:
-        attention.backend = saved
-    return backend_cls
+            checks.plugin_backend(layer.backend), setting,
+            chosen_by=layer.flag if layer.named else "vLLM on this CPU")
 
 
 def _check_cpu_switches(vllm_config) -> None:

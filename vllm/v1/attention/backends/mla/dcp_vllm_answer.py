@@ -136,7 +136,7 @@ def _layer_kv_cache_dtypes(vllm_config, model_config, draft: bool) -> list[str]:
     return sorted(found)
 
 
-def _select(config, model_config, kv_cache_dtype: str) -> tuple[str | None, str | None]:
+def select_backend(config, model_config, kv_cache_dtype: str) -> tuple[str | None, str | None]:
     """vLLM's selector for one MLA layer built under ``config``: (backend
     name, None), or (None, vLLM's refusal)."""
     from vllm.config import set_current_vllm_config
@@ -239,7 +239,7 @@ def ask_vllm(vllm_config) -> VllmAnswer:
     for draft, config, model_config, flag in _layer_groups(vllm_config):
         backend = config.attention_config.backend
         for kv_cache_dtype in _layer_kv_cache_dtypes(config, model_config, draft):
-            pick, refusal = _select(config, model_config, kv_cache_dtype)
+            pick, refusal = select_backend(config, model_config, kv_cache_dtype)
             layers.append(LayersAnswer(
                 draft=draft, named=None if backend is None else backend.name,
                 flag=flag, kv_cache_dtype=kv_cache_dtype, backend=pick,
