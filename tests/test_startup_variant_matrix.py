@@ -54,22 +54,10 @@ FLAG = re.compile(r"--[a-z][a-z-]+|attention_backend in --speculative-config|"
                   r'"kv_cache_dtype"')
 
 
-def _variants():
-    for (major, (tp, dcp), dtype, kv, interleave, block, method, named, k, shape,
-         flashmla) in itertools.product(
-            (9, 10), ((8, 8), (2, 2)), ("bfloat16", "float16", "float32"),
-            ("auto", "fp8"), (1, 16, 64, 128, 256), (None, 64, 256),
-            ("dspark", "ngram"), (None, 0, 1), (4, 8), sorted(SHAPES), (True, False)):
-        if (method == "ngram" and named is not None) or (major == 10 and not flashmla):
-            continue  # n-gram has no draft; FlashMLA's extension serves sm90 only
-        draft_backend = None if named is None else NAMED_DRAFT[major][named]
-        row = Row(major, tp, dcp, dtype, kv, interleave, block, method,
-                  draft_backend, k, shape, flashmla)
-        yield row
-
-
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """One ``vllm serve`` variant of the matrix."""
+
     major: int
     tp: int
     dcp: int
@@ -105,6 +93,19 @@ class Row:
         if self.block:
             flags += f" --block-size {self.block}"
         return shlex.split(flags) + ["--speculative-config", json.dumps(spec)]
+
+
+def _variants():
+    for (major, (tp, dcp), dtype, kv, interleave, block, method, named, k, shape,
+         flashmla) in itertools.product(
+            (9, 10), ((8, 8), (2, 2)), ("bfloat16", "float16", "float32"),
+            ("auto", "fp8"), (1, 16, 64, 128, 256), (None, 64, 256),
+            ("dspark", "ngram"), (None, 0, 1), (4, 8), sorted(SHAPES), (True, False)):
+        if (method == "ngram" and named is not None) or (major == 10 and not flashmla):
+            continue  # n-gram has no draft; FlashMLA's extension serves sm90 only
+        draft_backend = None if named is None else NAMED_DRAFT[major][named]
+        yield Row(major, tp, dcp, dtype, kv, interleave, block, method,
+                  draft_backend, k, shape, flashmla)
 
 
 VARIANTS = list(_variants())
