@@ -4,7 +4,9 @@ matrix of ``vllm serve`` variants under DCP.
 
 The matrix (``VARIANTS``): sm90 and sm100; ``-tp 8 -dcp 8`` and ``-tp 2 -dcp
 2``; a bf16, fp16 or fp32 model; a bf16 or fp8 KV cache; the interleave 1 to
-256; ``--block-size`` given (64, 256) or not; DSpark (the draft's backend
+256; ``--block-size`` given (64, 256) or not; with an fp8 cache,
+``--kv-cache-dtype-skip-layers`` naming the draft's layer or every layer, or
+none; DSpark (the draft's backend
 named: FLASHMLA or TOKENSPEED_MLA, FLASHINFER_MLA; or not) or n-gram
 speculation; 4 or 8 speculative tokens; a tiny Kimi-K3 pair whose KDA state
 is Kimi-K3's or Kimi-Linear's size (which changes vLLM's hybrid alignment);
@@ -49,6 +51,9 @@ SM100_PREFILL = serve.SM100_FP8_PREFILL_ATTENTION_CONFIG
 KIMI_LINEAR_KDA = rs.PairShape(kda_heads=32, kda_head_dim=128)
 SHAPES = {"k3-kda": rs.TINY, "kimi-linear-kda": KIMI_LINEAR_KDA}
 NAMED_DRAFT = {9: ("FLASHMLA", "FLASHINFER_MLA"), 10: ("TOKENSPEED_MLA", "FLASHINFER_MLA")}
+# --kv-cache-dtype-skip-layers in Kimi-K3's layer indices (the tiny pair's
+# target layers 0 and 1, its draft's 61).
+SKIPPED = {"draft": "61", "all": "0 1 61"}
 # A flag (or --speculative-config field) a refusal names for the user to change.
 FLAG = re.compile(r"--[a-z][a-z-]+|attention_backend in --speculative-config|"
                   r'"kv_cache_dtype"')
@@ -70,13 +75,15 @@ class Row:
     k: int
     shape: str
     flashmla: bool
+    skip: str | None = None  # --kv-cache-dtype-skip-layers: "draft" or "all" layers
 
     @property
     def id(self) -> str:
         return (f"sm{self.major}0-tp{self.tp}dcp{self.dcp}-{self.dtype}-{self.kv}-"
                 f"i{self.interleave}-bs{self.block or 'auto'}-{self.method}-"
                 f"{self.draft_backend or 'vllm'}-k{self.k}-{self.shape}"
-                + ("" if self.flashmla else "-no-flashmla"))
+                + ("" if self.flashmla else "-no-flashmla")
+                + (f"-skip-{self.skip}" if self.skip else ""))
 
     def argv(self) -> list[str]:
         spec = {"method": self.method, "num_speculative_tokens": self.k}
@@ -92,6 +99,8 @@ class Row:
             flags += f" --attention-config '{SM100_PREFILL}'"
         if self.block:
             flags += f" --block-size {self.block}"
+        if self.skip:  # Kimi-K3's layer indices: the draft's is 61
+            flags += " --kv-cache-dtype-skip-layers " + SKIPPED[self.skip]
         return shlex.split(flags) + ["--speculative-config", json.dumps(spec)]
 
 
@@ -104,8 +113,9 @@ def _variants():
         if (method == "ngram" and named is not None) or (major == 10 and not flashmla):
             continue  # n-gram has no draft; FlashMLA's extension serves sm90 only
         draft_backend = None if named is None else NAMED_DRAFT[major][named]
-        yield Row(major, tp, dcp, dtype, kv, interleave, block, method,
-                  draft_backend, k, shape, flashmla)
+        for skip in ((None, "draft", "all") if kv == "fp8" else (None,)):
+            yield Row(major, tp, dcp, dtype, kv, interleave, block, method,
+                      draft_backend, k, shape, flashmla, skip)
 
 
 VARIANTS = list(_variants())
@@ -216,6 +226,7 @@ def test_the_matrix_spans_every_dimension():
         "interleave": {1, 16, 64, 128, 256}, "block": {None, 64, 256},
         "method": {"dspark", "ngram"},
         "draft_backend": {None, "FLASHMLA", "TOKENSPEED_MLA", "FLASHINFER_MLA"},
-        "k": {4, 8}, "shape": set(SHAPES), "flashmla": {True, False}}
+        "k": {4, 8}, "shape": set(SHAPES), "flashmla": {True, False},
+        "skip": {None, "draft", "all"}}
     assert len(set(VARIANTS)) == len(VARIANTS)
     assert set(_rows()) <= set(VARIANTS)
