@@ -113,29 +113,21 @@ def plugin_registered(registered: bool):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     members = [AttentionBackendEnum[name] for name in OVERRIDDEN]
-    before = {m: m.get_path() if m.is_overridden() else None for m in members}
-    for member in members:
-        member.clear_override()
-    if registered:
-        # The CPU pieces play no part in CUDA selection, and vLLM's Triton
-        # dispatcher cannot rebind kernels once some modules are loaded.
-        from vllm.v1.attention.backends.mla import cpu_dcp_patches
-        from vllm.v1.attention.backends.mla import dcp_vllm_touches as touches
-
-        without_cpu_pieces = tuple(t for t in touches.TOUCHES if not (
-            t.install or "").startswith(f"{cpu_dcp_patches.__name__}:"))
-        with mock.patch.object(touches, "TOUCHES", without_cpu_pieces):
-            register()
-        assert all(AttentionBackendEnum[name].is_overridden() for name in OVERRIDDEN)
-    try:
-        yield
-    finally:
-        for member, path in before.items():
+    with _registry_restored(members):
+        for member in members:
             member.clear_override()
-            if path is not None:
-                from vllm.v1.attention.backends.registry import register_backend
+        if registered:
+            # The CPU pieces play no part in CUDA selection, and vLLM's Triton
+            # dispatcher cannot rebind kernels once some modules are loaded.
+            from vllm.v1.attention.backends.mla import cpu_dcp_patches
+            from vllm.v1.attention.backends.mla import dcp_vllm_touches as touches
 
-                register_backend(member, path)
+            without_cpu_pieces = tuple(t for t in touches.TOUCHES if not (
+                t.install or "").startswith(f"{cpu_dcp_patches.__name__}:"))
+            with mock.patch.object(touches, "TOUCHES", without_cpu_pieces):
+                register()
+            assert all(AttentionBackendEnum[name].is_overridden() for name in OVERRIDDEN)
+        yield
 
 
 @contextlib.contextmanager
@@ -147,9 +139,19 @@ def backends_overridden():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     members = {AttentionBackendEnum[name]: path for name, path in BACKEND_OVERRIDES}
+    with _registry_restored(members):
+        for member, path in members.items():
+            register_backend(member, path)
+        yield
+
+
+@contextlib.contextmanager
+def _registry_restored(members):
+    """vLLM's registry entries of ``members`` (backend enum members) as they
+    were, restored on the way out."""
+    from vllm.v1.attention.backends.registry import register_backend
+
     before = {m: m.get_path() if m.is_overridden() else None for m in members}
-    for member, path in members.items():
-        register_backend(member, path)
     try:
         yield
     finally:

@@ -84,9 +84,11 @@ def _backend_class(name: str) -> type:
     return AttentionBackendEnum[name].get_class()
 
 
-def _serves(vllm_config, gpu_major) -> vllm_answer.VllmAnswer | None:
-    """vLLM's answer for ``vllm_config`` if it starts with no DCP problem."""
-    answer = vllm_answer.ask_vllm(vllm_config)
+def _serves(vllm_config, gpu_major, answer: vllm_answer.VllmAnswer | None = None
+            ) -> vllm_answer.VllmAnswer | None:
+    """vLLM's answer for ``vllm_config`` (``answer`` if already asked) if it
+    starts with no DCP problem."""
+    answer = answer or vllm_answer.ask_vllm(vllm_config)
     if (any(layer.refusal for layer in answer.layers) or answer.block_refusal
             or answer.cp_refusal or _dcp_problems(vllm_config, answer, gpu_major)):
         return None
@@ -187,8 +189,12 @@ def _selection_refused(vllm_config, layer, gpu_major) -> str:
     message = (f"vLLM finds no MLA attention backend{chosen} for {_layers(layer)} "
                f"under decode context parallelism: {layer.refusal}")
     variants = list(_selection_variants(vllm_config, layer))
-    changes = [change for change, apply in variants
-               if _serves(apply(vllm_config), gpu_major) is not None]
+    asked = []  # (the change, the config with it, vLLM's answer for that)
+    for change, apply in variants:
+        changed = apply(vllm_config)
+        asked.append((change, changed, vllm_answer.ask_vllm(changed)))
+    changes = [change for change, changed, answer in asked
+               if _serves(changed, gpu_major, answer) is not None]
     if not changes and len(variants) > 1:
         together = vllm_config
         for _, apply in variants:
@@ -198,9 +204,8 @@ def _selection_refused(vllm_config, layer, gpu_major) -> str:
     if changes:
         return message + f"\nTo serve them: {'; or '.join(changes)}."
     # No change serves whole: name the ones vLLM's selector then takes.
-    selected = [change for change, apply in variants if not any(
-        other.refusal for other in vllm_answer.ask_vllm(apply(vllm_config)).layers
-        if other.draft == layer.draft)]
+    selected = [change for change, _, answer in asked if not any(
+        other.refusal for other in answer.layers if other.draft == layer.draft)]
     return message + "".join(
         f"\nvLLM selects a backend for them if you {'; or '.join(selected)} "
         "(this check then judges the rest)." for _ in selected[:1])
